@@ -1,0 +1,42 @@
+"""Engine configuration: one dataclass, validated once."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class EngineConfig:
+    """Sizes and limits of one engine (one DP rank).
+
+    The KV pool is sized either by ``num_kv_blocks`` or by ``kv_cache_memory`` (bytes); when
+    neither is given, ``DEFAULT_KV_MEMORY`` bytes are used.
+    """
+
+    model: str = "tiny"
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None  # None: the model's own limit
+    device: str = "cpu"
+    dtype: str = "float32"
+    num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
+    stats_interval: int = 100  # log [Cache Stats] every this many finished requests
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    extra: dict = field(default_factory=dict)
+
+    DEFAULT_KV_MEMORY = 256 * 1024 * 1024
+
+    def __post_init__(self):
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be > 0, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
+            raise ValueError(f"num_kv_blocks must be > 0, got {self.num_kv_blocks}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be > 0, got {self.kv_cache_memory}")
+        if self.max_num_seqs <= 0:
+            raise ValueError(f"max_num_seqs must be > 0, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < self.block_size:
+            raise ValueError("max_num_batched_tokens must be at least one block")

@@ -1,0 +1,32 @@
+"""Chained block digests, shared by the engine's prefix cache and the router's index.
+
+``d_i = xxh64(d_{i-1} as 8 little-endian bytes + block token ids as int32 little-endian, seed 0)``;
+the first block hashes its token bytes alone. Only full blocks have digests. This module imports
+neither torch nor Django so the router can use it cheaply.
+"""
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+
+import numpy as np
+import xxhash
+
+_U64 = struct.Struct("<Q")
+
+
+def block_digest(parent: int | None, token_ids: Sequence[int]) -> int:
+    """Digest of one full block given its parent's digest (None for the first block)."""
+    data = np.asarray(token_ids, dtype="<i4").tobytes()
+    if parent is not None:
+        data = _U64.pack(parent) + data
+    return xxhash.xxh64_intdigest(data, seed=0)
+
+
+def chain_digests(token_ids: Sequence[int], block_size: int, parent: int | None = None) -> list[int]:
+    """Digests of every full block of ``token_ids`` (a trailing partial block has none)."""
+    digests = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = block_digest(parent, token_ids[start:start + block_size])
+        digests.append(parent)
+    return digests

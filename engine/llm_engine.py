@@ -1,0 +1,185 @@
+"""The in-process engine: add requests, step, stream outputs, abort. One engine is one DP rank."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from transformers import AutoTokenizer, GenerationConfig
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.model_runner import ModelRunner
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledBatch, Scheduler
+from engine.sequence import Sequence
+from engine.stats import CacheStats
+from engine.tiny import resolve_model_path
+
+logger = logging.getLogger("engine")
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request (deltas, not totals)."""
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+
+
+@dataclass
+class _Request:
+    seq: Sequence
+    detok: IncrementalDetokenizer
+    stop_ids: set[int] = field(default_factory=set)
+
+
+class LLMEngine:
+    """``step()`` is schedule → run → postprocess. Not thread-safe: one owner drives it."""
+
+    def __init__(self, config: EngineConfig, log_prefix: str = ""):
+        self.config = config
+        self.log = logging.LoggerAdapter(logger, {}) if not log_prefix else _Prefixed(logger, log_prefix)
+        self.model_path = resolve_model_path(config.model)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.runner = ModelRunner(config, self.model_path)
+        model_len = getattr(self.runner.model.config, "max_position_embeddings", None) or 2048
+        self.max_model_len = min(config.max_model_len or model_len, model_len)
+        self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.cache_stats = CacheStats(self.log, config.stats_interval)
+        self.eos_token_ids = self._eos_ids()
+        self.requests: dict[str, _Request] = {}
+
+    def _eos_ids(self) -> set[int]:
+        ids = set()
+        try:
+            eos = GenerationConfig.from_pretrained(self.model_path).eos_token_id
+            ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        except OSError:
+            pass
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    # ----- requests ------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Sequence:
+        """Queue a request. Raises ValueError (nothing queued) for an empty or too long prompt,
+        a duplicate id, or a prompt that could never fit the KV pool."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already running")
+        ids = self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
+        self._validate(ids, params)
+        seq = Sequence(ids, params, request_id=request_id, block_size=self.config.block_size)
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        self.requests[request_id] = _Request(seq, IncrementalDetokenizer(self.tokenizer, params.stop), stop_ids)
+        self.scheduler.add(seq)
+        return seq
+
+    def _validate(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.runner.model.config.vocab_size
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
+                             f"{len(ids)} tokens and max_tokens is {params.max_tokens}")
+        need = -(-(len(ids) + params.max_tokens) // self.config.block_size)
+        if need > self.block_manager.num_blocks:
+            raise ValueError(f"the request needs {need} KV blocks; this rank has {self.block_manager.num_blocks}")
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request in any state and free its blocks. Returns False if it is unknown."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        self.scheduler.finish(req.seq, "abort")
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ----- stepping ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch.items:
+            return []
+        self._log_prefill(batch)
+        tokens = self.runner.run(batch)
+        return self._postprocess(batch, tokens)
+
+    def _log_prefill(self, batch: ScheduledBatch) -> None:
+        for item in batch.items:
+            seq = item.seq
+            if item.start == seq.num_cached_tokens and not seq.num_preemptions and item.is_prefill:
+                self.cache_stats.record(seq.num_prompt_tokens, seq.num_cached_tokens)
+        prefills = batch.prefills
+        if prefills:
+            self.log.info("Scheduled prefill batch: %d reqs, %d new tokens (cached: %s, new: %s), req_ids: %s",
+                          len(prefills), sum(p.num_tokens for p in prefills), [p.start for p in prefills],
+                          [p.num_tokens for p in prefills], tuple(p.seq.seq_id for p in prefills))
+
+    def _postprocess(self, batch: ScheduledBatch, tokens: list[int]) -> list[RequestOutput]:
+        outputs = []
+        it = iter(tokens)
+        for item in batch.items:
+            if not item.samples:
+                continue
+            token = next(it)
+            req = self.requests.get(item.seq.request_id)
+            if req is None or req.seq is not item.seq:
+                continue  # aborted during this step
+            outputs.append(self._advance(req, token))
+        return outputs
+
+    def _advance(self, req: _Request, token: int) -> RequestOutput:
+        seq = req.seq
+        seq.append_token(token)
+        reason, matched_stop_string = None, False
+        if token in req.stop_ids:
+            reason = "stop"
+        elif req.detok.add(seq.output_token_ids):
+            reason, matched_stop_string = "stop", True
+        elif seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason:
+            if not matched_stop_string:
+                req.detok.flush(seq.output_token_ids)
+            self.scheduler.finish(seq, reason)
+            del self.requests[seq.request_id]
+        return RequestOutput(seq.request_id, [token], req.detok.delta(reason is not None), reason is not None,
+                             reason, seq.num_prompt_tokens, seq.num_cached_tokens, seq.num_output_tokens)
+
+    # ----- convenience -----------------------------------------------------------------------
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams]) -> list[dict]:
+        """Run ``prompts`` to completion together; returns text, token ids and cache counts."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"gen-{i}-{id(self)}" for i in range(len(prompts))]
+        results = {rid: {"text": "", "token_ids": [], "finish_reason": None, "num_cached_tokens": 0} for rid in ids}
+        for rid, prompt, p in zip(ids, prompts, params_list):
+            self.add_request(rid, prompt, p)
+        while self.has_unfinished_requests():
+            for out in self.step():
+                r = results[out.request_id]
+                r["text"] += out.new_text
+                r["token_ids"] += out.new_token_ids
+                r["num_cached_tokens"] = out.num_cached_tokens
+                r["finish_reason"] = out.finish_reason
+        return [results[rid] for rid in ids]
+
+
+class _Prefixed(logging.LoggerAdapter):
+    """Prefixes every line with the rank, e.g. ``[DP0] Scheduled prefill batch: …``."""
+
+    def __init__(self, base: logging.Logger, prefix: str):
+        super().__init__(base, {})
+        self.prefix = prefix
+
+    def process(self, msg, kwargs):
+        return f"{self.prefix} {msg}", kwargs

@@ -1,0 +1,100 @@
+"""Greedy token ids from the engine equal transformers' ``generate(do_sample=False)``, token for
+token, at every position: batched mixed lengths, prefix-cache hits, chunked prefill, preemption."""
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from engine.tiny import ensure_tiny_model
+
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """transformers' own model (default attention, its own KV cache) and a memo of its outputs."""
+    model = AutoModelForCausalLM.from_pretrained(ensure_tiny_model(), dtype=torch.float32).eval()
+    memo = {}
+
+    def generate(prompt: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
+        key = (tuple(prompt), max_tokens)
+        if key not in memo:
+            with torch.inference_mode():
+                out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                     max_new_tokens=max_tokens, do_sample=False)
+            memo[key] = out[0, len(prompt):].tolist()
+        return memo[key]
+
+    return generate
+
+
+def random_prompt(rng: random.Random, length: int) -> list[int]:
+    return [rng.randrange(8, 4000) for _ in range(length)]
+
+
+def make_engine(**kw) -> LLMEngine:
+    kw.setdefault("num_kv_blocks", 512)
+    return LLMEngine(EngineConfig(model="tiny", block_size=16, **kw))
+
+
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
+
+
+def assert_same(engine_out, expected):
+    assert engine_out["token_ids"] == expected, (
+        f"first difference at position "
+        f"{next(i for i, (a, b) in enumerate(zip(engine_out['token_ids'] + [None], expected + [None])) if a != b)}")
+
+
+def test_batch_of_mixed_lengths(reference):
+    rng = random.Random(1)
+    prompts = [random_prompt(rng, n) for n in (1, 5, 17, 64, 131, 300)]
+    engine = make_engine()
+    outs = engine.generate(prompts, GREEDY)
+    for prompt, out in zip(prompts, outs):
+        assert_same(out, reference(prompt))
+    engine.block_manager.check_integrity([])
+
+
+def test_prefix_cache_hits(reference):
+    rng = random.Random(2)
+    shared = random_prompt(rng, 160)  # 10 full blocks
+    first = shared + random_prompt(rng, 7)
+    engine = make_engine()
+    assert_same(engine.generate([first], GREEDY)[0], reference(first))
+    follow = [shared + random_prompt(rng, n) for n in (1, 20, 45)] + [shared[:100] + random_prompt(rng, 30)]
+    outs = engine.generate(follow, GREEDY)
+    # 160 shared tokens = 10 blocks; the 100-token head gives 6 full blocks.
+    assert [o["num_cached_tokens"] for o in outs] == [160, 160, 160, 96]
+    for prompt, out in zip(follow, outs):
+        assert_same(out, reference(prompt))
+    # the whole prompt cached: the last token is recomputed, so the last block cannot hit
+    again = engine.generate([first[:160]], GREEDY)[0]
+    assert again["num_cached_tokens"] == 144
+    assert_same(again, reference(first[:160]))
+
+
+def test_chunked_prefill(reference):
+    rng = random.Random(3)
+    prompts = [random_prompt(rng, n) for n in (300, 150, 77)]
+    engine = make_engine(max_num_batched_tokens=48)
+    outs = engine.generate(prompts, GREEDY)
+    for prompt, out in zip(prompts, outs):
+        assert_same(out, reference(prompt))
+
+
+def test_preempted_and_resumed(reference):
+    rng = random.Random(4)
+    prompts = [random_prompt(rng, n) for n in (40, 40, 40, 40)]
+    max_tokens = 60
+    # each request ends at 100 tokens = 7 blocks; 4 x 7 = 28 > 20 blocks, so some must be preempted
+    engine = make_engine(num_kv_blocks=20)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0))
+    assert engine.scheduler.num_preemptions > 0
+    for prompt, out in zip(prompts, outs):
+        assert_same(out, reference(prompt, max_tokens))
+    engine.block_manager.check_integrity([])
