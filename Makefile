@@ -1,0 +1,27 @@
+# Two entry points: `make serve` and `make test`. Both build .venv first when it is missing
+# or older than requirements.txt (the stamp file records the last successful install).
+
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# The project targets Python 3.11; fall back to whatever python3 is on PATH.
+BOOTSTRAP_PYTHON := $(shell command -v python3.11 2>/dev/null || command -v python3)
+
+PYTEST_ARGS ?=
+SERVE_ARGS ?=
+
+.PHONY: serve test venv
+
+venv: $(STAMP)
+
+$(STAMP): requirements.txt
+	test -x $(PY) || $(BOOTSTRAP_PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -r requirements.txt
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(PY) manage.py migrate --noinput
+	$(PY) manage.py serve $(SERVE_ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)

@@ -1,0 +1,1 @@
+"""Who serves: workers (engine endpoints), their DP ranks, discovery and health."""

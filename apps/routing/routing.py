@@ -1,0 +1,3 @@
+"""Websocket routes, mounted by ``controlplane.asgi`` behind origin and auth checks."""
+
+websocket_urlpatterns = []

@@ -1,0 +1,65 @@
+"""Fixtures shared by the whole suite: free ports, the repository root, and the external
+services (Postgres, Redis).
+
+A service fixture skips its test when the service is unreachable on a developer machine,
+but fails it when ``CI`` is set: in CI the services are part of the contract, and a silent
+skip would hide a broken set-up.
+"""
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+POSTGRES_SERVER_URL = os.environ.get("TEST_POSTGRES_URL", "postgres://postgres@127.0.0.1:5432")
+REDIS_TEST_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+
+
+def _in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def _service_missing(what: str, error: Exception):
+    message = f"{what} is unreachable: {error}"
+    if _in_ci():
+        pytest.fail(f"{message} (CI is set, so this is a failure; .ci/run should have started it)")
+    pytest.skip(message)
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    return REPO_ROOT
+
+
+@pytest.fixture
+def free_port() -> int:
+    """A TCP port that was free a moment ago (the OS picks it, so parallel runs do not clash)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def postgres_server_url() -> str:
+    """URL of a Postgres server (no database name), e.g. ``postgres://postgres@127.0.0.1:5432``."""
+    import psycopg
+
+    try:
+        psycopg.connect(f"{POSTGRES_SERVER_URL}/postgres", connect_timeout=3).close()
+    except psycopg.Error as error:
+        _service_missing(f"Postgres at {POSTGRES_SERVER_URL}", error)
+    return POSTGRES_SERVER_URL
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    """URL of a Redis database reserved for tests (db 15 by default)."""
+    import redis
+
+    try:
+        redis.Redis.from_url(REDIS_TEST_URL, socket_connect_timeout=3).ping()
+    except redis.RedisError as error:
+        _service_missing(f"Redis at {REDIS_TEST_URL}", error)
+    return REDIS_TEST_URL
