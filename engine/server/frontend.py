@@ -1,0 +1,228 @@
+"""The front's view of its DP ranks: processes, health, load, and request streams.
+
+Each rank has two one-way pipes. A reader thread per rank turns what the rank sends into calls
+on the event loop; everything else runs on the loop, so the load counters need no locks.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing as mp
+import threading
+from dataclasses import dataclass, field, replace
+
+from engine.config import EngineConfig
+from engine.llm_engine import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.server.ipc import AbortRequest, AddRequest, Outputs, RankReady, RankStats, Shutdown
+from engine.server.rank import rank_main
+
+logger = logging.getLogger("engine.front")
+
+LOAD_BALANCE_POLICIES = ("least_requests", "round_robin", "least_tokens")
+
+
+class RankUnavailable(Exception):
+    """The chosen rank is not serving (dead or not started)."""
+
+
+@dataclass
+class RankCounters:
+    """What the front saw a rank finish: the per-rank numbers behind /metrics."""
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generation_tokens: int = 0
+    errors: int = 0
+    aborts: int = 0
+
+
+@dataclass
+class RankState:
+    rank: int
+    process: mp.process.BaseProcess | None = None
+    inbox: object = None  # Connection the front writes
+    ready: bool = False
+    dead_reason: str | None = None
+    info: RankReady | None = None
+    stats: RankStats | None = None
+    inflight_requests: int = 0
+    inflight_tokens: int = 0
+    counters: RankCounters = field(default_factory=RankCounters)
+    streams: dict[str, asyncio.Queue] = field(default_factory=dict)
+
+    @property
+    def alive(self) -> bool:
+        return self.ready and self.dead_reason is None
+
+
+class RankFailed(Exception):
+    """Raised from a request stream whose rank refused it or died under it."""
+
+
+class EngineClient:
+    """Starts the rank processes and routes requests to them."""
+
+    def __init__(self, config: EngineConfig, dp_size: int, load_balance: str = "least_requests"):
+        if load_balance not in LOAD_BALANCE_POLICIES:
+            raise ValueError(f"--dp-load-balance must be one of {LOAD_BALANCE_POLICIES}")
+        self.config, self.dp_size, self.load_balance = config, dp_size, load_balance
+        self.ranks = [RankState(r) for r in range(dp_size)]
+        self._cursor = itertools.count()
+        self._ids = itertools.count()
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    # ----- lifecycle -------------------------------------------------------------------------
+    def start(self, threads_per_rank: int) -> None:
+        ctx = mp.get_context("spawn")
+        for state in self.ranks:
+            inbox_r, inbox_w = ctx.Pipe(duplex=False)
+            outbox_r, outbox_w = ctx.Pipe(duplex=False)
+            cfg = replace(self.config, num_threads=threads_per_rank, seed=self.config.seed + state.rank)
+            proc = ctx.Process(target=rank_main, args=(state.rank, cfg, inbox_r, outbox_w),
+                               name=f"dp-rank-{state.rank}", daemon=True)
+            proc.start()
+            inbox_r.close()  # the child owns these ends; closing ours lets EOF reach us if it dies
+            outbox_w.close()
+            state.process, state.inbox = proc, inbox_w
+            threading.Thread(target=self._reader, args=(state, outbox_r), name=f"rank-{state.rank}-reader",
+                             daemon=True).start()
+
+    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+
+    def shutdown(self) -> None:
+        for state in self.ranks:
+            try:
+                state.inbox.send(Shutdown())
+            except (OSError, AttributeError):
+                pass
+        for state in self.ranks:
+            if state.process is not None:
+                state.process.join(timeout=5)
+                if state.process.is_alive():
+                    state.process.terminate()
+
+    def wait_ready(self, timeout: float) -> bool:
+        import time
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if all(s.ready for s in self.ranks) or any(s.dead_reason for s in self.ranks):
+                break
+            time.sleep(0.05)
+        return all(s.alive for s in self.ranks)
+
+    @property
+    def healthy(self) -> bool:
+        return all(s.alive for s in self.ranks)
+
+    def health_reason(self) -> str:
+        reasons = [f"rank {s.rank}: {s.dead_reason or 'starting'}" for s in self.ranks if not s.alive]
+        return "; ".join(reasons) or "ok"
+
+    # ----- messages from ranks (reader thread → loop) -------------------------------------------
+    def _reader(self, state: RankState, conn) -> None:
+        while True:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                break
+            if isinstance(msg, RankReady):
+                state.info, state.ready = msg, True  # set from this thread: /health may run before bind
+                continue
+            self._call(self._on_outputs, state, msg)
+        state.process.join(timeout=5)
+        code = state.process.exitcode
+        self._call(self._on_death, state, f"process exited with code {code}")
+
+    def _call(self, fn, *args) -> None:
+        if self.loop is None:
+            fn(*args)
+        else:
+            self.loop.call_soon_threadsafe(fn, *args)
+
+    def _on_outputs(self, state: RankState, msg: Outputs) -> None:
+        if msg.stats is not None:
+            state.stats = msg.stats
+        for rid, error in msg.errors.items():
+            queue = state.streams.get(rid)
+            if queue is not None:
+                queue.put_nowait(RankFailed(error))
+        for out in msg.outputs:
+            queue = state.streams.get(out.request_id)
+            if queue is not None:
+                queue.put_nowait(out)
+
+    def _on_death(self, state: RankState, reason: str) -> None:
+        if state.dead_reason is None:
+            state.dead_reason = reason
+            logger.error("DP rank %d died: %s; failing %d in-flight requests", state.rank, reason, len(state.streams))
+        for queue in state.streams.values():
+            queue.put_nowait(RankFailed(f"DP rank {state.rank} died: {reason}"))
+
+    # ----- choosing a rank -----------------------------------------------------------------------
+    def choose_rank(self, hint: int | None) -> int:
+        if hint is not None:
+            if not self.ranks[hint].alive:
+                raise RankUnavailable(f"data_parallel_rank {hint} is not serving "
+                                      f"({self.ranks[hint].dead_reason or 'starting'})")
+            return hint
+        alive = [s for s in self.ranks if s.alive]
+        if not alive:
+            raise RankUnavailable(f"no DP rank is serving: {self.health_reason()}")
+        start = next(self._cursor)
+        rotated = [alive[(start + i) % len(alive)] for i in range(len(alive))]
+        if self.load_balance == "round_robin":
+            return rotated[0].rank
+        if self.load_balance == "least_tokens":
+            key = lambda s: (s.inflight_tokens, s.inflight_requests)  # noqa: E731
+        else:
+            key = lambda s: (s.inflight_requests, s.inflight_tokens)  # noqa: E731
+        return min(rotated, key=key).rank  # min keeps the first of equals: the rotation breaks ties
+
+    # ----- request streams -----------------------------------------------------------------------
+    def new_request_id(self, prefix: str) -> str:
+        return f"{prefix}-{next(self._ids)}"
+
+    async def generate(self, request_id: str, rank: int, prompt_token_ids: list[int], params: SamplingParams):
+        """Yield RequestOutputs of one request on ``rank``. Load is held from here until the
+        generator closes, whichever way it closes (finish, error, client disconnect)."""
+        state = self.ranks[rank]
+        if not state.alive:
+            raise RankUnavailable(f"DP rank {rank} is not serving")
+        queue: asyncio.Queue = asyncio.Queue()
+        state.streams[request_id] = queue
+        state.inflight_requests += 1
+        state.inflight_tokens += len(prompt_token_ids)
+        finished = False
+        try:
+            state.inbox.send(AddRequest(request_id, prompt_token_ids, params))
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, Exception):
+                    state.counters.errors += 1
+                    finished = True  # the rank no longer holds it: nothing to abort
+                    raise item
+                finished = item.finished
+                if finished:
+                    self._count(state, item)
+                yield item
+        finally:
+            state.streams.pop(request_id, None)
+            state.inflight_requests -= 1
+            state.inflight_tokens -= len(prompt_token_ids)
+            if not finished and state.dead_reason is None:
+                state.counters.aborts += 1
+                try:
+                    state.inbox.send(AbortRequest(request_id))
+                except OSError:
+                    pass
+
+    @staticmethod
+    def _count(state: RankState, out: RequestOutput) -> None:
+        c = state.counters
+        c.requests += 1
+        c.prompt_tokens += out.num_prompt_tokens
+        c.cached_tokens += out.num_cached_tokens
+        c.generation_tokens += out.num_output_tokens

@@ -1,0 +1,165 @@
+"""``runengine``: N DP rank processes behind one OpenAI HTTP front served by daphne."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import threading
+
+logger = logging.getLogger("engine.front")
+
+DEFAULT_PORT = 8000
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of DESIGN.md, shared by ``manage.py runengine`` and ``python -m engine.server.main``."""
+    parser.add_argument("--model", default="tiny", help="'tiny' (built in) or a local Hugging Face model directory")
+    parser.add_argument("--dp-size", type=int, default=None, help="number of DP ranks (processes)")
+    parser.add_argument("-tp", "--tp-size", type=int, default=None, dest="tp_size",
+                        help="ATOM's spelling: with --enable-dp-attention, -tp N means --dp-size N")
+    parser.add_argument("--enable-dp-attention", action="store_true")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT)
+    parser.add_argument("--block-size", type=int, default=16)
+    kv = parser.add_mutually_exclusive_group()
+    kv.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks per rank")
+    kv.add_argument("--kv-cache-memory", type=int, default=None, help="KV pool bytes per rank")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--dp-load-balance", default="least_requests",
+                        choices=["least_requests", "round_robin", "least_tokens"])
+    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--register-with", default=None, metavar="ROUTER_URL",
+                        help="register this engine with a router's /workers API once ready")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--threads-per-rank", type=int, default=None,
+                        help="torch threads per rank (default: the cores divided between ranks)")
+    parser.add_argument("--max-body-bytes", type=int, default=4 * 2**20)
+    parser.add_argument("--startup-timeout", type=float, default=600.0)
+
+
+def resolve_dp_size(args) -> tuple[int, int]:
+    """(dp_size, tp_size). ``-tp N --enable-dp-attention`` is ATOM's way of asking for N DP ranks."""
+    if args.dp_size is not None:
+        return args.dp_size, args.tp_size or 1
+    if args.enable_dp_attention and args.tp_size:
+        return args.tp_size, args.tp_size
+    if args.tp_size and args.tp_size > 1:
+        raise SystemExit("tensor parallelism is not implemented; use --dp-size N (or -tp N --enable-dp-attention)")
+    return 1, 1
+
+
+def resolve_device(name: str) -> str:
+    if name != "auto":
+        return name
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def build(args):
+    """Start the ranks and build the ASGI app (rank processes run from here on)."""
+    from transformers import AutoTokenizer
+
+    from engine.config import EngineConfig
+    from engine.server.app import EngineApp
+    from engine.server.frontend import EngineClient
+    from engine.tiny import resolve_model_path
+
+    dp_size, tp_size = resolve_dp_size(args)
+    if dp_size < 1:
+        raise SystemExit("--dp-size must be >= 1")
+    model_path = resolve_model_path(args.model)  # builds the tiny model once, before the ranks race for it
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    config = EngineConfig(model=model_path, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+                          kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
+                          max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                          device=resolve_device(args.device))
+    client = EngineClient(config, dp_size, args.dp_load_balance)
+    threads = args.threads_per_rank or max(1, _cores() // dp_size)
+    client.start(threads)
+    return client, tokenizer, model_path, dp_size, tp_size
+
+
+def server_info(args, client, model_path: str, dp_size: int, tp_size: int) -> dict:
+    first = client.ranks[0].info
+    return {
+        "model_id": args.model, "served_model_name": args.served_model_name or args.model,
+        "model_path": model_path, "dp_size": dp_size, "tp_size": tp_size, "block_size": args.block_size,
+        "num_kv_blocks_per_rank": first.num_kv_blocks, "max_model_len": first.max_model_len,
+        "dp_load_balance": args.dp_load_balance, "enable_prefix_caching": True,
+        "prefix_digest": "xxh64-chained/parent-u64le+tokens-i32le/seed0",
+    }
+
+
+def register(router_url: str, own_url: str) -> None:
+    """Tell a router about this engine, retrying while the router starts."""
+    import time
+
+    import httpx
+    for attempt in range(30):
+        try:
+            r = httpx.post(f"{router_url.rstrip('/')}/workers", json={"url": own_url}, timeout=10,
+                           headers=_router_auth())
+            if r.status_code < 300:
+                logger.info("registered with router %s: %s", router_url, r.status_code)
+                return
+            logger.warning("router %s refused registration: %s %s", router_url, r.status_code, r.text[:200])
+            return
+        except httpx.HTTPError as exc:
+            logger.info("router %s not reachable yet (%s); retrying", router_url, exc)
+            time.sleep(min(5.0, 0.5 * (attempt + 1)))
+    logger.error("gave up registering with router %s", router_url)
+
+
+def _router_auth() -> dict:
+    key = os.environ.get("CONTROL_PLANE_API_KEY")
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def serve(args) -> int:
+    logging.basicConfig(level=os.environ.get("ENGINE_LOG_LEVEL", "INFO"), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s [front] %(name)s: %(message)s")
+    logging.getLogger("transformers").setLevel(logging.WARNING)
+    from daphne.server import Server  # installs the asyncio reactor; must come before twisted.internet.reactor
+    from twisted.internet import reactor
+
+    from engine.server.app import EngineApp
+
+    client, tokenizer, model_path, dp_size, tp_size = build(args)
+    client.bind(reactor._asyncioEventloop)
+    if not client.wait_ready(args.startup_timeout):
+        logger.error("engine failed to start: %s", client.health_reason())
+        client.shutdown()
+        return 1
+    info = server_info(args, client, model_path, dp_size, tp_size)
+    app = EngineApp(client, tokenizer, info, max_body_bytes=args.max_body_bytes)
+    url = f"http://{args.host}:{args.port}"
+    if args.register_with:
+        threading.Thread(target=register, args=(args.register_with, url), daemon=True).start()
+    print(f"Engine ready on {url} (model {info['served_model_name']}, dp_size {dp_size})", flush=True)
+    server = Server(application=app, endpoints=[f"tcp:port={args.port}:interface={args.host}"],
+                    signal_handlers=True, verbosity=0, application_close_timeout=5)
+    try:
+        server.run()
+    finally:
+        client.shutdown()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="runengine", description=__doc__)
+    add_arguments(parser)
+    return serve(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

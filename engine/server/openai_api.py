@@ -1,0 +1,212 @@
+"""OpenAI request parsing and response shapes for /v1/completions and /v1/chat/completions.
+
+Parsing is strict: every value is type-checked before anything is queued, and a bad one is an
+``APIError`` carrying the HTTP status and the OpenAI error body.
+"""
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+
+from engine.sampling_params import SamplingParams
+
+CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
+_HEADER_INT = re.compile(r"^-?\d+$")
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, type: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+        self.type = type or ("invalid_request_error" if status < 500 else "server_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
+
+
+@dataclass
+class ParsedRequest:
+    chat: bool
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    model: str
+    rank_hint: int | None
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def rank_hint(body: dict, headers: dict[str, str], dp_size: int) -> int | None:
+    """The requested DP rank from ``data_parallel_rank`` / ``data-parallel-rank`` (body) or
+    ``X-data-parallel-rank`` (header); None when absent. Anything but an in-range integer is a 400."""
+    for key in ("data_parallel_rank", "data-parallel-rank"):
+        if body.get(key) is not None:
+            return _check_rank(body[key], key, dp_size)
+    header = headers.get("x-data-parallel-rank")
+    if header is not None and header.strip() != "":
+        value = header.strip()
+        return _check_rank(int(value) if _HEADER_INT.match(value) else value, "X-data-parallel-rank", dp_size)
+    return None
+
+
+def _check_rank(value, param: str, dp_size: int) -> int:
+    if not _is_int(value) or not 0 <= value < dp_size:
+        raise APIError(400, f"Invalid data_parallel_rank={value!r}: it must be an integer in [0, {dp_size - 1}] "
+                            f"(dp_size={dp_size})", param=param)
+    return value
+
+
+def _opt(body: dict, key: str, check, what: str, default=None):
+    value = body.get(key)
+    if value is None:
+        return default
+    if not check(value):
+        raise APIError(400, f"'{key}' must be {what}, got {value!r}", param=key)
+    return value
+
+
+def _unsupported(body: dict) -> None:
+    if body.get("n") not in (None, 1):
+        raise APIError(400, "only n=1 is supported", param="n")
+    if body.get("best_of") not in (None, 1):
+        raise APIError(400, "only best_of=1 is supported", param="best_of")
+    if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs") not in (None, 0):
+        raise APIError(400, "logprobs are not supported by this engine", param="logprobs")
+    if body.get("echo") not in (None, False):
+        raise APIError(400, "echo is not supported by this engine", param="echo")
+    for key in ("presence_penalty", "frequency_penalty"):
+        if body.get(key) not in (None, 0, 0.0):
+            raise APIError(400, f"{key} is not supported by this engine", param=key)
+
+
+def sampling_params(body: dict, default_max_tokens: int) -> SamplingParams:
+    _unsupported(body)
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is not None and (not _is_int(max_tokens) or max_tokens <= 0):
+        raise APIError(400, f"'max_tokens' must be a positive integer, got {max_tokens!r}", param="max_tokens")
+    stop = body.get("stop")
+    if stop is not None and not (isinstance(stop, str) or (isinstance(stop, list)
+                                                           and all(isinstance(s, str) for s in stop))):
+        raise APIError(400, "'stop' must be a string or a list of strings", param="stop")
+    return SamplingParams(
+        max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
+        temperature=_opt(body, "temperature", lambda v: _is_number(v) and v >= 0, "a number >= 0", 1.0),
+        top_p=_opt(body, "top_p", lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1]", 1.0),
+        top_k=_opt(body, "top_k", lambda v: _is_int(v) and v >= -1, "an integer >= -1", 0),
+        seed=_opt(body, "seed", _is_int, "an integer"),
+        stop=[stop] if isinstance(stop, str) else list(stop or []),
+        stop_token_ids=_opt(body, "stop_token_ids", lambda v: isinstance(v, list) and all(map(_is_int, v)),
+                            "a list of integers", []),
+        ignore_eos=_opt(body, "ignore_eos", lambda v: isinstance(v, bool), "a boolean", False))
+
+
+def completion_prompt(body: dict, tokenizer) -> list[int]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str) and prompt:
+        return tokenizer.encode(prompt, add_special_tokens=False)
+    if isinstance(prompt, list) and prompt and all(map(_is_int, prompt)):
+        return prompt
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        raise APIError(400, "batched prompts are not supported: send one prompt per request", param="prompt")
+    raise APIError(400, "'prompt' must be a non-empty string or a non-empty list of token ids", param="prompt")
+
+
+def _message_text(msg: dict, i: int) -> str:
+    content = msg.get("content")
+    if content is None and msg.get("role") == "assistant":
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in content):
+        return "".join(p["text"] for p in content)
+    raise APIError(400, f"messages[{i}].content must be a string or a list of text parts", param="messages")
+
+
+def chat_prompt(body: dict, tokenizer) -> list[int]:
+    """Token ids of the chat exactly as the model sees it: its chat template with the
+    generation prompt, then encoded without extra special tokens. The router digests the same."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise APIError(400, "'messages' must be a non-empty list", param="messages")
+    clean = []
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict) or msg.get("role") not in CHAT_ROLES:
+            raise APIError(400, f"messages[{i}] must be an object with a role in {sorted(CHAT_ROLES)}",
+                           param="messages")
+        clean.append({"role": msg["role"], "content": _message_text(msg, i)})
+    text = tokenizer.apply_chat_template(clean, add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def parse(body, headers: dict[str, str], *, chat: bool, tokenizer, model_names: set[str], dp_size: int,
+          max_model_len: int) -> ParsedRequest:
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and model not in model_names:
+        raise APIError(404, f"The model `{model}` does not exist.", param="model", type="NotFoundError")
+    hint = rank_hint(body, headers, dp_size)
+    stream = _opt(body, "stream", lambda v: isinstance(v, bool), "a boolean", False)
+    options = _opt(body, "stream_options", lambda v: isinstance(v, dict), "an object", {})
+    if options and not stream:
+        raise APIError(400, "'stream_options' is only allowed when 'stream' is true", param="stream_options")
+    ids = chat_prompt(body, tokenizer) if chat else completion_prompt(body, tokenizer)
+    room = max_model_len - len(ids)
+    if room <= 0:
+        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens; the prompt has "
+                            f"{len(ids)} tokens", param="messages" if chat else "prompt")
+    try:
+        params = sampling_params(body, room if chat else min(16, room))
+    except ValueError as exc:
+        raise APIError(400, str(exc)) from exc
+    if len(ids) + params.max_tokens > max_model_len:
+        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens; the prompt has "
+                            f"{len(ids)} tokens and max_tokens is {params.max_tokens}", param="max_tokens")
+    return ParsedRequest(chat, ids, params, stream, bool(options.get("include_usage")), model or "", hint)
+
+
+# ----- responses ------------------------------------------------------------------------------
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def response(req: ParsedRequest, rid: str, model: str, text: str, finish: str | None, use: dict) -> dict:
+    if req.chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                  "finish_reason": finish}
+        return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+                "choices": [choice], "usage": use}
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [choice], "usage": use}
+
+
+def chunk(req: ParsedRequest, rid: str, model: str, created: int, text: str | None, finish: str | None,
+          role: bool = False) -> dict:
+    if req.chat:
+        delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        obj = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        obj = "text_completion"
+    out = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
+    return out
+
+
+def usage_chunk(req: ParsedRequest, rid: str, model: str, created: int, use: dict) -> dict:
+    obj = "chat.completion.chunk" if req.chat else "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": use}
