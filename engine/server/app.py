@@ -68,7 +68,8 @@ class EngineApp:
             await send_json(send, 503, {"status": "unavailable", "reason": self.client.health_reason()})
 
     async def server_info(self, scope, receive, send):
-        ranks = [{"rank": s.rank, "up": s.alive, "inflight_requests": s.inflight_requests} for s in self.client.ranks]
+        ranks = [{"rank": s.rank, "up": s.alive, "pid": s.info.pid if s.info else None,
+                  "inflight_requests": s.inflight_requests} for s in self.client.ranks]
         await send_json(send, 200, {**self.info, "ranks": ranks})
 
     async def models(self, scope, receive, send):
@@ -90,7 +91,8 @@ class EngineApp:
         body = await read_json(receive, self.max_body_bytes)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         req = api.parse(body, headers, chat=chat, tokenizer=self.tokenizer, model_names=self.model_names,
-                        dp_size=self.client.dp_size, max_model_len=self.info["max_model_len"])
+                        dp_size=self.client.dp_size, max_model_len=self.info["max_model_len"],
+                        vocab_size=self.info["vocab_size"])
         try:
             rank = self.client.choose_rank(req.rank_hint)
         except RankUnavailable as exc:
@@ -108,7 +110,7 @@ class EngineApp:
                     text.append(out.new_text)
                     last = out
         except RankFailed as exc:
-            raise api.APIError(500, str(exc), type="server_error") from exc
+            raise api.APIError(exc.status, str(exc)) from exc
         use = api.usage(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)
         await send_json(send, 200, api.response(req, rid, self.model, "".join(text), last.finish_reason, use),
                         rank=rank)
@@ -130,8 +132,8 @@ class EngineApp:
                     last = out
         except RankFailed as exc:
             if not started:
-                raise api.APIError(500, str(exc), type="server_error") from exc
-            await send_event(send, api.APIError(500, str(exc)).body())
+                raise api.APIError(exc.status, str(exc)) from exc
+            await send_event(send, api.APIError(exc.status, str(exc)).body())
             await send_sse_end(send)
             return
         if req.include_usage:

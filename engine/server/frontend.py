@@ -58,7 +58,11 @@ class RankState:
 
 
 class RankFailed(Exception):
-    """Raised from a request stream whose rank refused it or died under it."""
+    """Raised from a request stream whose rank refused it (400) or died under it (503)."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
 
 
 class EngineClient:
@@ -79,7 +83,8 @@ class EngineClient:
         for state in self.ranks:
             inbox_r, inbox_w = ctx.Pipe(duplex=False)
             outbox_r, outbox_w = ctx.Pipe(duplex=False)
-            cfg = replace(self.config, num_threads=threads_per_rank, seed=self.config.seed + state.rank)
+            device = f"cuda:{state.rank}" if self.config.device == "cuda" else self.config.device  # rank r on GPU r
+            cfg = replace(self.config, num_threads=threads_per_rank, seed=self.config.seed + state.rank, device=device)
             proc = ctx.Process(target=rank_main, args=(state.rank, cfg, inbox_r, outbox_w),
                                name=f"dp-rank-{state.rank}", daemon=True)
             proc.start()
@@ -148,7 +153,7 @@ class EngineClient:
         for rid, error in msg.errors.items():
             queue = state.streams.get(rid)
             if queue is not None:
-                queue.put_nowait(RankFailed(error))
+                queue.put_nowait(RankFailed(error, 400))
         for out in msg.outputs:
             queue = state.streams.get(out.request_id)
             if queue is not None:
@@ -159,7 +164,7 @@ class EngineClient:
             state.dead_reason = reason
             logger.error("DP rank %d died: %s; failing %d in-flight requests", state.rank, reason, len(state.streams))
         for queue in state.streams.values():
-            queue.put_nowait(RankFailed(f"DP rank {state.rank} died: {reason}"))
+            queue.put_nowait(RankFailed(f"DP rank {state.rank} died: {reason}", 503))
 
     # ----- choosing a rank -----------------------------------------------------------------------
     def choose_rank(self, hint: int | None) -> int:

@@ -36,6 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--threads-per-rank", type=int, default=None,
                         help="torch threads per rank (default: the cores divided between ranks)")
+    parser.add_argument("--cache-stats-interval", type=int, default=100,
+                        help="log [Cache Stats] lines every this many requests per rank")
     parser.add_argument("--max-body-bytes", type=int, default=4 * 2**20)
     parser.add_argument("--startup-timeout", type=float, default=600.0)
 
@@ -82,7 +84,7 @@ def build(args):
     config = EngineConfig(model=model_path, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                           kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                          device=resolve_device(args.device))
+                          device=resolve_device(args.device), stats_interval=args.cache_stats_interval)
     client = EngineClient(config, dp_size, args.dp_load_balance)
     threads = args.threads_per_rank or max(1, _cores() // dp_size)
     client.start(threads)
@@ -90,8 +92,10 @@ def build(args):
 
 
 def server_info(args, client, model_path: str, dp_size: int, tp_size: int) -> dict:
+    from transformers import AutoConfig
     first = client.ranks[0].info
     return {
+        "vocab_size": AutoConfig.from_pretrained(model_path).vocab_size,
         "model_id": args.model, "served_model_name": args.served_model_name or args.model,
         "model_path": model_path, "dp_size": dp_size, "tp_size": tp_size, "block_size": args.block_size,
         "num_kv_blocks_per_rank": first.num_kv_blocks, "max_model_len": first.max_model_len,

@@ -108,13 +108,15 @@ def sampling_params(body: dict, default_max_tokens: int) -> SamplingParams:
         ignore_eos=_opt(body, "ignore_eos", lambda v: isinstance(v, bool), "a boolean", False))
 
 
-def completion_prompt(body: dict, tokenizer) -> list[int]:
+def completion_prompt(body: dict, tokenizer, vocab_size: int) -> list[int]:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str) and prompt:
         return tokenizer.encode(prompt, add_special_tokens=False)
     if isinstance(prompt, list) and prompt and all(map(_is_int, prompt)):
+        if not all(0 <= t < vocab_size for t in prompt):
+            raise APIError(400, f"prompt token ids must be in [0, {vocab_size})", param="prompt")
         return prompt
     if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
         raise APIError(400, "batched prompts are not supported: send one prompt per request", param="prompt")
@@ -150,7 +152,7 @@ def chat_prompt(body: dict, tokenizer) -> list[int]:
 
 
 def parse(body, headers: dict[str, str], *, chat: bool, tokenizer, model_names: set[str], dp_size: int,
-          max_model_len: int) -> ParsedRequest:
+          max_model_len: int, vocab_size: int) -> ParsedRequest:
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     model = body.get("model")
@@ -161,7 +163,7 @@ def parse(body, headers: dict[str, str], *, chat: bool, tokenizer, model_names: 
     options = _opt(body, "stream_options", lambda v: isinstance(v, dict), "an object", {})
     if options and not stream:
         raise APIError(400, "'stream_options' is only allowed when 'stream' is true", param="stream_options")
-    ids = chat_prompt(body, tokenizer) if chat else completion_prompt(body, tokenizer)
+    ids = chat_prompt(body, tokenizer) if chat else completion_prompt(body, tokenizer, vocab_size)
     room = max_model_len - len(ids)
     if room <= 0:
         raise APIError(400, f"This model's maximum context length is {max_model_len} tokens; the prompt has "

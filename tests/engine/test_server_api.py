@@ -1,0 +1,193 @@
+"""A real ``manage.py runengine`` (tiny model, dp_size 2) over real HTTP: rank hints on every
+path, bad input, aborted streams, the openai client."""
+import json
+
+import httpx
+import openai
+import pytest
+
+from tests.support.procs import metrics, start_engine, wait_for
+
+pytestmark = pytest.mark.slow
+
+DP = 2
+MAX_MODEL_LEN = 512
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("engine")
+    with start_engine(tmp, "--dp-size", str(DP), "--num-kv-blocks", "256", "--max-model-len", str(MAX_MODEL_LEN),
+                      "--max-body-bytes", "65536") as server:
+        yield server
+
+
+def body_for(endpoint: str, stream: bool, **extra) -> dict:
+    body = {"max_tokens": 4, "temperature": 0, "stream": stream, **extra}
+    if endpoint == "chat":
+        body["messages"] = [{"role": "user", "content": "which rank serves me?"}]
+    else:
+        body["prompt"] = "which rank serves me?"
+    return body
+
+
+def post(url: str, endpoint: str, body, headers=None, timeout=60) -> httpx.Response:
+    path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+    if isinstance(body, (dict, list)):
+        return httpx.post(url + path, json=body, headers=headers, timeout=timeout)
+    return httpx.post(url + path, content=body, headers=headers, timeout=timeout)
+
+
+def sse_events(text: str) -> list:
+    assert text.endswith("data: [DONE]\n\n"), text[-200:]
+    events = [e for e in text.split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events)
+    return [json.loads(e[6:]) for e in events[:-1]]
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("how", ["body", "body-hyphen", "header"])
+def test_requested_rank_serves(engine, endpoint, stream, how):
+    for rank in range(DP):
+        before = metrics(engine.url)
+        extra, headers = {}, {}
+        if how == "body":
+            extra["data_parallel_rank"] = rank
+        elif how == "body-hyphen":
+            extra["data-parallel-rank"] = rank
+        else:
+            headers["X-data-parallel-rank"] = str(rank)
+        r = post(engine.url, endpoint, body_for(endpoint, stream, **extra), headers)
+        assert r.status_code == 200, r.text
+        assert r.headers["x-data-parallel-rank"] == str(rank)
+        if stream:
+            events = sse_events(r.text)
+            assert events[-1]["choices"][0]["finish_reason"] == "length"
+        else:
+            assert r.json()["usage"]["completion_tokens"] == 4
+        after = metrics(engine.url)
+        assert after[("requests", rank)] == before[("requests", rank)] + 1
+        assert after[("requests", 1 - rank)] == before[("requests", 1 - rank)]
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("value", [-1, DP, 1.0, True, "1", [0]])
+def test_invalid_rank_in_body_is_400(engine, endpoint, stream, value):
+    r = post(engine.url, endpoint, body_for(endpoint, stream, data_parallel_rank=value))
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] == 400
+    assert f"[0, {DP - 1}]" in error["message"]
+
+
+@pytest.mark.parametrize("value", ["-1", str(DP), "1.5", "one", "0x1"])
+def test_invalid_rank_in_header_is_400(engine, value):
+    r = post(engine.url, "completions", body_for("completions", False), {"X-data-parallel-rank": value})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "X-data-parallel-rank"
+
+
+def test_unhinted_requests_spread_over_ranks(engine):
+    ranks = [int(post(engine.url, "completions", body_for("completions", False)).headers["x-data-parallel-rank"])
+             for _ in range(6)]
+    assert set(ranks) == set(range(DP)), ranks
+
+
+def test_server_info_and_models(engine):
+    info = httpx.get(engine.url + "/server_info").json()
+    for key in ("dp_size", "model_id", "served_model_name", "model_path", "tp_size", "block_size",
+                "num_kv_blocks_per_rank", "max_model_len"):
+        assert key in info
+    assert info["dp_size"] == DP and info["block_size"] == 16 and info["num_kv_blocks_per_rank"] == 256
+    assert httpx.get(engine.url + "/get_server_info").json()["dp_size"] == DP
+    assert httpx.get(engine.url + "/v1/models").json()["data"][0]["id"] == "tiny"
+    assert httpx.get(engine.url + "/health").status_code == 200
+
+
+BAD_INPUTS = [
+    ("completions", b"{not json", 400),
+    ("completions", b"[1, 2]", 400),
+    ("completions", {"max_tokens": 4}, 400),
+    ("completions", {"prompt": ""}, 400),
+    ("completions", {"prompt": []}, 400),
+    ("completions", {"prompt": 123}, 400),
+    ("completions", {"prompt": [1, "two"]}, 400),
+    ("completions", {"prompt": [1, 99999]}, 400),
+    ("completions", {"prompt": ["a", "b"]}, 400),
+    ("chat", {"messages": []}, 400),
+    ("chat", {"messages": "hello"}, 400),
+    ("chat", {"messages": [{"role": "wizard", "content": "x"}]}, 400),
+    ("chat", {"messages": [{"role": "user", "content": 5}]}, 400),
+    ("completions", {"prompt": "x", "model": "no-such-model"}, 404),
+    ("completions", {"prompt": "x", "max_tokens": 0}, 400),
+    ("completions", {"prompt": "x", "max_tokens": -3}, 400),
+    ("completions", {"prompt": "x", "max_tokens": "5"}, 400),
+    ("completions", {"prompt": "x", "max_tokens": MAX_MODEL_LEN}, 400),
+    ("completions", {"prompt": list(range(10, 10 + MAX_MODEL_LEN))}, 400),
+    ("chat", {"messages": [{"role": "user", "content": "x"}], "n": 2}, 400),
+    ("completions", {"prompt": "x", "temperature": -0.5}, 400),
+    ("completions", {"prompt": "x", "temperature": "hot"}, 400),
+    ("completions", {"prompt": "x", "top_p": 0}, 400),
+    ("completions", {"prompt": "x", "top_p": 1.5}, 400),
+    ("completions", {"prompt": "x", "stream": "yes"}, 400),
+    ("completions", {"prompt": "x", "stop": 7}, 400),
+    ("completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400),
+    ("completions", {"prompt": "x" * 70000}, 413),
+]
+
+
+@pytest.mark.parametrize("endpoint,body,status", BAD_INPUTS)
+def test_bad_input_gets_openai_error(engine, endpoint, body, status):
+    r = post(engine.url, endpoint, body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+
+
+def test_wrong_method_and_path(engine):
+    assert httpx.get(engine.url + "/v1/completions").status_code == 405
+    assert httpx.get(engine.url + "/v1/nothing").status_code == 404
+
+
+def test_aborted_streams_and_bad_input_leave_nothing_held(engine):
+    aborts_before = sum(v for (name, _), v in metrics(engine.url).items() if name == "request_aborts")
+    for i in range(6):
+        body = body_for("completions", True, max_tokens=400, ignore_eos=True, data_parallel_rank=i % DP)
+        with httpx.Client(timeout=60) as client, client.stream("POST", engine.url + "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            next(r.iter_lines())  # one chunk arrived: the request is running; now hang up
+    for endpoint, body, _ in BAD_INPUTS:
+        post(engine.url, endpoint, body)
+
+    def settled():
+        m = metrics(engine.url)
+        held = [m[(name, r)] for name in ("kv_blocks_used", "inflight_requests", "inflight_prompt_tokens",
+                                          "num_requests_running", "num_requests_waiting") for r in range(DP)]
+        return m if not any(held) else None
+
+    m = wait_for(settled, timeout=20)
+    assert m, f"blocks or load still held: {metrics(engine.url)}"
+    assert sum(v for (name, _), v in m.items() if name == "request_aborts") - aborts_before == 6
+    assert httpx.get(engine.url + "/health").status_code == 200
+
+
+def test_openai_client_unmodified(engine):
+    client = openai.OpenAI(base_url=engine.url + "/v1", api_key="unused")
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hello"}],
+                                          max_tokens=5, temperature=0)
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 5
+    assert chat.usage.prompt_tokens_details.cached_tokens == 0
+    comp = client.completions.create(model="tiny", prompt="hello", max_tokens=5, temperature=0)
+    assert comp.choices[0].finish_reason == "length" and comp.usage.total_tokens == comp.usage.prompt_tokens + 5
+    chunks = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hello"}],
+                                                 max_tokens=5, temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[-1].usage.completion_tokens == 5 and chunks[-1].choices == []
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == chat.choices[0].message.content  # greedy: same text either way
+    comp_chunks = list(client.completions.create(model="tiny", prompt="hello", max_tokens=5, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in comp_chunks if c.choices) == comp.choices[0].text
+    assert comp_chunks[-1].usage.prompt_tokens == comp.usage.prompt_tokens
