@@ -147,5 +147,8 @@ LOGGING = {
         # Django's own loggers carry their handlers; route them through ours instead so
         # every line has the same format.
         "django": {"handlers": ["stderr"], "level": LOG_LEVEL, "propagate": False},
+        # one line per proxied request is noise (and costs time on the hot path)
+        "httpx": {"level": "WARNING"},
+        "httpcore": {"level": "WARNING"},
     },
 }

@@ -1,3 +1,13 @@
-"""HTTP routes of the routing app, mounted at the site root by ``controlplane.urls``."""
+"""The router's public surface: the OpenAI proxy, health, metrics, and the workers API."""
+from django.urls import include, path
 
-urlpatterns = []
+from apps.routing import views
+
+urlpatterns = [
+    path("v1/completions", views.completions),
+    path("v1/chat/completions", views.chat_completions),
+    path("v1/models", views.models),
+    path("health", views.health),
+    path("metrics", views.metrics),
+    path("", include("apps.replicas.urls")),
+]

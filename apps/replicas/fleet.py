@@ -1,0 +1,92 @@
+"""The router's in-memory view of who serves: the hot path reads this, never the database.
+
+The database (``Worker``, ``Rank``) is the durable record; ``Fleet.load_worker`` turns one row
+into routing targets: one per DP rank when the worker is dp-aware, else one for the worker.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from apps.replicas.circuit import CircuitBreaker
+from apps.routing.load import RankLoad
+
+
+@dataclass
+class WorkerView:
+    worker_id: int
+    url: str
+    api_key: str
+    model: str
+    model_aliases: set[str]
+    dp_size: int
+    dp_aware: bool
+    block_size: int | None  # None: a foreign engine, no token digests
+    tokenizer_path: str | None
+    capacity_blocks: int | None
+    healthy: bool = True
+    draining: bool = False
+    consecutive_failures: int = 0
+    consecutive_successes: int = 0
+
+
+@dataclass(eq=False)
+class Target:
+    """One place a request can go: ``worker`` plus, when dp-aware, the DP rank to inject."""
+    worker: WorkerView
+    rank: int | None
+    rank_id: int | None = None  # the Rank row, for persisted stats
+    breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
+    load: RankLoad = field(default_factory=RankLoad)
+
+    @property
+    def key(self) -> str:
+        return self.worker.url if self.rank is None else f"{self.worker.url}@{self.rank}"
+
+    @property
+    def available(self) -> bool:
+        return self.worker.healthy and not self.worker.draining and self.breaker.allows()
+
+
+class Fleet:
+    """Workers and their targets, by id. Mutated only on the event loop (no locks)."""
+
+    def __init__(self):
+        self.workers: dict[int, WorkerView] = {}
+        self.targets: dict[int, list[Target]] = {}
+        self.rng = random.Random()
+
+    def put(self, view: WorkerView, rank_ids: dict[int | None, int] | None = None) -> list[Target]:
+        """Add or replace a worker. Targets that survive keep their load, breaker and position."""
+        old = {t.rank: t for t in self.targets.get(view.worker_id, [])}
+        ranks = list(range(view.dp_size)) if view.dp_aware else [None]
+        targets = []
+        for rank in ranks:
+            target = old.get(rank) or Target(view, rank)
+            target.worker = view
+            target.rank_id = (rank_ids or {}).get(rank, target.rank_id)
+            targets.append(target)
+        self.workers[view.worker_id] = view
+        self.targets[view.worker_id] = targets
+        return targets
+
+    def remove(self, worker_id: int) -> None:
+        self.workers.pop(worker_id, None)
+        self.targets.pop(worker_id, None)
+
+    def all_targets(self) -> list[Target]:
+        return [t for targets in self.targets.values() for t in targets]
+
+    def candidates(self, model: str | None) -> list[Target]:
+        """Available targets serving ``model`` (any model when None or when only one is served)."""
+        targets = [t for t in self.all_targets() if t.available]
+        if not model:
+            return targets
+        return [t for t in targets if model in t.worker.model_aliases]
+
+    def models(self) -> list[str]:
+        return sorted({w.model for w in self.workers.values()})
+
+    def by_url(self, url: str) -> WorkerView | None:
+        url = url.rstrip("/")
+        return next((w for w in self.workers.values() if w.url == url), None)

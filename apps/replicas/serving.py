@@ -1,0 +1,93 @@
+"""Running the router process: configure the Router, restore and discover workers, start the
+background loops (daphne runs no ASGI lifespan, so they start here), serve under daphne."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+logger = logging.getLogger("apps.router")
+
+DEFAULT_ROUTER_PORT = 30000
+
+
+def add_router_arguments(parser: argparse.ArgumentParser, *, port: int = DEFAULT_ROUTER_PORT) -> None:
+    parser.add_argument("--worker-urls", nargs="*", default=[], help="engine URLs to route to")
+    parser.add_argument("--dp-aware", action="store_true",
+                        help="one target per DP rank (from /server_info dp_size); inject data_parallel_rank")
+    parser.add_argument("--policy", default=None, choices=["cache_aware", "round_robin", "random", "power_of_two"])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=port)
+    parser.add_argument("--tokenizer-path", default=None, help="tokenizer for digests when workers' model paths "
+                                                                "are not readable here")
+    parser.add_argument("--cache-threshold", type=float, default=None, help="accepted for SGLang compatibility")
+    parser.add_argument("--balance-abs-threshold", type=int, default=None, help="accepted for SGLang compatibility")
+    parser.add_argument("--balance-rel-threshold", type=float, default=None, help="accepted for SGLang compatibility")
+    parser.add_argument("--decode-weight", type=float, default=None,
+                        help="cache_aware: prefill-token cost of each request already running on a rank")
+    parser.add_argument("--health-check-interval-secs", type=float, default=None)
+    parser.add_argument("--health-failure-threshold", type=int, default=None)
+    parser.add_argument("--health-success-threshold", type=int, default=None)
+    parser.add_argument("--request-timeout-secs", type=float, default=None)
+    parser.add_argument("--max-retries", type=int, default=None)
+    parser.add_argument("--prefix-ttl-secs", type=float, default=None)
+
+
+def router_config(opts: dict):
+    from apps.routing.router import RouterConfig
+    return RouterConfig.from_settings(
+        policy=opts.get("policy"), dp_aware=bool(opts.get("dp_aware")), tokenizer_path=opts.get("tokenizer_path"),
+        cache_threshold=opts.get("cache_threshold"), balance_abs_threshold=opts.get("balance_abs_threshold"),
+        balance_rel_threshold=opts.get("balance_rel_threshold"), decode_weight=opts.get("decode_weight"),
+        health_check_interval_s=opts.get("health_check_interval_secs"),
+        health_failure_threshold=opts.get("health_failure_threshold"),
+        health_success_threshold=opts.get("health_success_threshold"),
+        request_timeout_s=opts.get("request_timeout_secs"), max_retries=opts.get("max_retries"),
+        prefix_ttl_s=opts.get("prefix_ttl_secs"))
+
+
+async def startup(router, worker_urls: list[str]) -> list[asyncio.Task]:
+    """Restore the fleet from the database, add ``worker_urls`` (discovered now or, if not up
+    yet, by the health loop), and start the background loops."""
+    from apps.replicas.health import health_loop
+    from apps.replicas.services import fleet_restore, worker_add
+    from apps.routing.persist import stats_loop
+
+    restored = await fleet_restore(router=router)
+    for url in worker_urls:
+        await worker_add(url=url, strict=False, router=router)
+    logger.info("router ready: %d workers restored, %d given; policy %s, %s", restored, len(worker_urls),
+                router.config.policy, "dp-aware" if router.config.dp_aware else "worker-level")
+    return [asyncio.ensure_future(health_loop(router)), asyncio.ensure_future(stats_loop(router))]
+
+
+def serve_router(opts: dict, on_ready=None) -> None:
+    """Run the router (blocking) until SIGINT/SIGTERM."""
+    from daphne.server import Server  # installs the asyncio reactor first
+    from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler
+    from twisted.internet import reactor
+
+    from apps.routing.router import Router, set_router
+    from controlplane.asgi import application
+
+    router = set_router(Router(router_config(opts)))
+    loop = reactor._asyncioEventloop
+    loop.call_soon(lambda: asyncio.ensure_future(startup(router, list(opts.get("worker_urls") or []))))
+    host, port = opts.get("host") or "127.0.0.1", opts.get("port") or DEFAULT_ROUTER_PORT
+    app = _with_static(application, ASGIStaticFilesHandler)
+    if on_ready:
+        loop.call_soon(on_ready)
+    Server(application=app, endpoints=[f"tcp:port={port}:interface={host}"], signal_handlers=True, verbosity=0,
+           application_close_timeout=5).run()
+
+
+def _with_static(application, handler):
+    """Serve the admin's and dashboard's static files from the app itself (no CDN, no nginx)."""
+    static_http = handler(application.application_mapping["http"])
+
+    async def app(scope, receive, send):
+        if scope["type"] == "http":
+            return await static_http(scope, receive, send)
+        return await application(scope, receive, send)
+
+    return app

@@ -1,0 +1,79 @@
+"""The workers API: ours (``/workers``) and SGLang router's legacy one (``/add_worker`` …)."""
+from __future__ import annotations
+
+import json
+
+from django.http import JsonResponse
+from django.views.decorators.csrf import csrf_exempt
+
+from apps.replicas.discovery import DiscoveryError
+from apps.replicas.models import Worker
+from apps.replicas.services import worker_add, worker_as_dict, worker_remove
+
+
+def _error(status: int, message: str) -> JsonResponse:
+    return JsonResponse({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                   "code": status}}, status=status)
+
+
+async def _register(url: str, api_key: str = "", dp_aware=None) -> JsonResponse:
+    try:
+        worker = await worker_add(url=url, api_key=api_key, dp_aware=dp_aware)
+    except ValueError as exc:
+        return _error(400, str(exc))
+    except DiscoveryError as exc:
+        return _error(502, str(exc))
+    return JsonResponse(worker_as_dict(worker), status=201)
+
+
+@csrf_exempt
+async def workers(request):
+    if request.method == "GET":
+        return JsonResponse({"workers": [worker_as_dict(w) async for w in Worker.objects.all()]})
+    if request.method != "POST":
+        return _error(405, "use GET or POST")
+    try:
+        body = json.loads(request.body or b"{}")
+    except ValueError:
+        return _error(400, "the request body is not valid JSON")
+    if not isinstance(body, dict) or not isinstance(body.get("url"), str):
+        return _error(400, "'url' is required")
+    dp_aware = body.get("dp_aware")
+    if dp_aware is not None and not isinstance(dp_aware, bool):
+        return _error(400, "'dp_aware' must be a boolean")
+    return await _register(body["url"], str(body.get("api_key") or ""), dp_aware)
+
+
+@csrf_exempt
+async def worker_detail(request, worker_id: int):
+    worker = await Worker.objects.filter(id=worker_id).afirst()
+    if worker is None:
+        return _error(404, f"no worker {worker_id}")
+    if request.method == "GET":
+        return JsonResponse(worker_as_dict(worker))
+    if request.method == "DELETE":
+        await worker_remove(worker_id=worker_id)
+        return JsonResponse({"deleted": worker_id})
+    return _error(405, "use GET or DELETE")
+
+
+@csrf_exempt
+async def add_worker(request):
+    if request.method != "POST":
+        return _error(405, "use POST")
+    return await _register(request.GET.get("url", ""), request.GET.get("api_key", ""))
+
+
+@csrf_exempt
+async def remove_worker(request):
+    if request.method != "POST":
+        return _error(405, "use POST")
+    worker = await Worker.objects.filter(url=request.GET.get("url", "").rstrip("/")).afirst()
+    if worker is None:
+        return _error(404, f"no worker {request.GET.get('url')!r}")
+    await worker_remove(worker_id=worker.id)
+    return JsonResponse({"removed": worker.url})
+
+
+async def list_workers(request):
+    return JsonResponse({"urls": [w.url async for w in Worker.objects.all()]})

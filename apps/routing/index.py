@@ -1,0 +1,77 @@
+"""The router's model of each rank's prefix cache: which block digests it probably holds.
+
+Approximate, like Dynamo's "approximate mode": a request's digests are inserted for the rank it
+was routed to. Each rank's set is an LRU bounded by that rank's KV capacity (an engine cannot
+hold more blocks than its pool), and entries expire after a TTL. A wrong prediction heals by
+itself: a request that missed has recomputed and cached those blocks by the time it finishes.
+"""
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+
+
+class PrefixIndex:
+    def __init__(self, ttl_s: float = 600.0, default_capacity: int = 100_000, clock=time.monotonic):
+        self.ttl_s, self.default_capacity, self.clock = ttl_s, default_capacity, clock
+        self.ranks: dict[str, OrderedDict[int, float]] = {}  # rank key -> digest -> last use
+        self.capacity: dict[str, int] = {}
+        self.owners: dict[int, set[str]] = {}  # digest -> rank keys holding it
+
+    def set_capacity(self, key: str, blocks: int | None) -> None:
+        self.capacity[key] = blocks or self.default_capacity
+        self._trim(key)
+
+    def match(self, digests: list[int], keys: list[str] | None = None) -> dict[str, int]:
+        """Leading blocks of ``digests`` each rank holds (only ranks with at least one)."""
+        now = self.clock()
+        alive = set(keys) if keys is not None else set(self.ranks)
+        matched: dict[str, int] = {}
+        for i, digest in enumerate(digests):
+            holders = self.owners.get(digest)
+            if not holders:
+                break
+            alive &= holders
+            alive = {k for k in alive if now - self.ranks[k][digest] <= self.ttl_s}
+            if not alive:
+                break
+            for key in alive:
+                matched[key] = i + 1
+        return matched
+
+    def insert(self, key: str, digests: list[int]) -> None:
+        """Record that rank ``key`` now holds ``digests`` (most recently used)."""
+        now = self.clock()
+        lru = self.ranks.setdefault(key, OrderedDict())
+        for digest in digests:
+            if digest in lru:
+                lru.move_to_end(digest)
+            else:
+                self.owners.setdefault(digest, set()).add(key)
+            lru[digest] = now
+        self._trim(key)
+
+    def remove_rank(self, key: str) -> None:
+        for digest in self.ranks.pop(key, {}):
+            self._disown(digest, key)
+        self.capacity.pop(key, None)
+
+    def _trim(self, key: str) -> None:
+        lru = self.ranks.get(key)
+        if lru is None:
+            return
+        cap = self.capacity.get(key, self.default_capacity)
+        now = self.clock()
+        while lru and (len(lru) > cap or now - next(iter(lru.values())) > self.ttl_s):
+            digest, _ = lru.popitem(last=False)
+            self._disown(digest, key)
+
+    def _disown(self, digest: int, key: str) -> None:
+        holders = self.owners.get(digest)
+        if holders is not None:
+            holders.discard(key)
+            if not holders:
+                del self.owners[digest]
+
+    def size(self, key: str) -> int:
+        return len(self.ranks.get(key, ()))

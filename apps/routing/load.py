@@ -1,0 +1,51 @@
+"""In-flight load per routing target, as the router itself sees it.
+
+A request's load begins at dispatch and ends exactly once: at the end of its stream, on an
+error, a timeout or a client disconnect (``RankLoad.end`` is idempotent, and callers end it in a
+``finally``). Prefill work is counted separately until the first token arrives, because that is
+the work that delays a newcomer's first token.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class LoadTicket:
+    prompt_tokens: int
+    prefill_tokens: int  # the uncached part, as predicted at dispatch
+    prefilled: bool = False
+    ended: bool = False
+
+
+class RankLoad:
+    def __init__(self):
+        self.requests = 0
+        self.prompt_tokens = 0
+        self.pending_prefill_tokens = 0
+        self.dispatched = 0  # requests ever sent here (for recency-aware tie-breaks)
+
+    def begin(self, prompt_tokens: int, prefill_tokens: int) -> LoadTicket:
+        self.requests += 1
+        self.prompt_tokens += prompt_tokens
+        self.pending_prefill_tokens += prefill_tokens
+        self.dispatched += 1
+        return LoadTicket(prompt_tokens, prefill_tokens)
+
+    def first_token(self, ticket: LoadTicket) -> None:
+        """The prefill is done: its tokens no longer delay anyone."""
+        if not ticket.prefilled and not ticket.ended:
+            ticket.prefilled = True
+            self.pending_prefill_tokens -= ticket.prefill_tokens
+
+    def end(self, ticket: LoadTicket) -> None:
+        if ticket.ended:
+            return
+        self.first_token(ticket)
+        ticket.ended = True
+        self.requests -= 1
+        self.prompt_tokens -= ticket.prompt_tokens
+
+    @property
+    def idle(self) -> bool:
+        return self.requests == 0 and self.prompt_tokens == 0 and self.pending_prefill_tokens == 0

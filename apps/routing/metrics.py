@@ -1,0 +1,55 @@
+"""Prometheus text for the router's /metrics: per target (worker@rank) counters and gauges."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+PREFIX = "dpmesh_router"
+
+_TARGET_COUNTERS = [
+    ("requests", "Requests dispatched to the target", "requests"),
+    ("prompt_tokens", "Prompt tokens dispatched to the target", "prompt_tokens"),
+    ("predicted_cached_tokens", "Prompt tokens the router's prefix index expected to be cached", "predicted_tokens"),
+    ("reported_cached_tokens", "Prompt tokens the engine reported as cached", "cached_tokens"),
+    ("errors", "Requests that failed on the target", "errors"),
+]
+
+
+class RouterCollector:
+    def __init__(self, router):
+        self.router = router
+
+    def collect(self):
+        targets = self.router.fleet.all_targets()
+        stats = self.router.stats.targets
+        labels = ["target", "worker", "rank"]
+
+        def label_values(t):
+            return [t.key, t.worker.url, "" if t.rank is None else str(t.rank)]
+
+        for name, help_text, attr in _TARGET_COUNTERS:
+            family = CounterMetricFamily(f"{PREFIX}_{name}", help_text, labels=labels)
+            for t in targets:
+                s = stats.get(t.key)
+                family.add_metric(label_values(t), getattr(s, attr) if s else 0)
+            yield family
+        gauges = [("inflight_requests", "Requests in flight", lambda t: t.load.requests),
+                  ("inflight_prompt_tokens", "Prompt tokens in flight", lambda t: t.load.prompt_tokens),
+                  ("pending_prefill_tokens", "Predicted uncached tokens not yet prefilled", lambda t: t.load.pending_prefill_tokens),
+                  ("target_up", "1 while the target can be chosen", lambda t: int(t.available)),
+                  ("index_blocks", "Digests the prefix index holds for the target", lambda t: self.router.index.size(t.key))]
+        for name, help_text, read in gauges:
+            family = GaugeMetricFamily(f"{PREFIX}_{name}", help_text, labels=labels)
+            for t in targets:
+                family.add_metric(label_values(t), read(t))
+            yield family
+        yield CounterMetricFamily(f"{PREFIX}_retries", "Upstream attempts retried on another target",
+                                  value=self.router.stats.retries)
+        yield CounterMetricFamily(f"{PREFIX}_no_target", "Requests refused because no target was available",
+                                  value=self.router.stats.no_target)
+
+
+def render_metrics(router) -> bytes:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(RouterCollector(router))
+    return generate_latest(registry)

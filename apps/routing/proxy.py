@@ -1,0 +1,152 @@
+"""Forwarding one OpenAI request: route, inject the rank, retry before the first byte, relay.
+
+Retries (408/429/500/502/503/504, connection errors, timeouts) go to another target with
+exponential backoff, but only while nothing has reached the client. A streamed response is
+relayed event by event as it arrives; if the client did not ask for usage, the usage event the
+router asked for (to learn the engine's cached tokens) is dropped on the way. Every path ends the
+request's load exactly once: finish, upstream error, timeout, client disconnect.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+
+import httpx
+
+from apps.replicas.discovery import auth_headers
+from apps.routing.router import NoTarget, Routed, Router
+
+logger = logging.getLogger(__name__)
+
+RETRYABLE = {408, 429, 500, 502, 503, 504}
+
+
+class ProxyError(Exception):
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.type = status, message, type
+
+    def body(self) -> bytes:
+        return json.dumps({"error": {"message": self.message, "type": self.type, "param": None,
+                                     "code": self.status}}).encode()
+
+
+class Upstream:
+    """The router's pooled HTTP client, created on the loop that first needs it."""
+
+    def __init__(self):
+        self.client: httpx.AsyncClient | None = None
+        self.loop = None
+
+    def get(self, config) -> httpx.AsyncClient:
+        loop = asyncio.get_running_loop()
+        if self.client is None or self.loop is not loop:
+            limits = httpx.Limits(max_connections=4096, max_keepalive_connections=512)
+            timeout = httpx.Timeout(config.request_timeout_s, connect=config.connect_timeout_s)
+            self.client, self.loop = httpx.AsyncClient(limits=limits, timeout=timeout), loop
+        return self.client
+
+
+upstream = Upstream()
+
+
+def upstream_payload(body: dict, routed: Routed, stream: bool) -> bytes:
+    payload = dict(body)
+    if routed.target.rank is not None:
+        payload.pop("data-parallel-rank", None)
+        payload["data_parallel_rank"] = routed.target.rank
+    if stream:
+        payload["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+    return json.dumps(payload).encode()
+
+
+async def open_upstream(router: Router, body: dict, *, chat: bool, path: str, stream: bool) -> tuple[Routed, httpx.Response]:
+    """Send the request to a chosen target, retrying elsewhere while nothing reached the client.
+    Returns the routed request and the open response (a 2xx, or the last error to pass on)."""
+    config = router.config
+    client = upstream.get(config)
+    model = body.get("model") if isinstance(body.get("model"), str) else None
+    tried: set[str] = set()
+    last: ProxyError | None = None
+    for attempt in range(config.max_retries + 1):
+        try:
+            routed = router.route(body, chat, model, exclude=tried)
+        except NoTarget as exc:
+            router.stats.no_target += 1
+            raise last or ProxyError(503, str(exc), "server_error") from exc
+        tried.add(routed.target.key)
+        worker = routed.target.worker
+        headers = {"content-type": "application/json", **auth_headers(worker.api_key)}
+        try:
+            request = client.build_request("POST", worker.url + path, content=upstream_payload(body, routed, stream),
+                                           headers=headers)
+            response = await client.send(request, stream=True)
+        except httpx.TimeoutException as exc:
+            last = ProxyError(504, f"upstream {routed.target.key} timed out: {exc!r}", "server_error")
+        except httpx.TransportError as exc:
+            last = ProxyError(502, f"upstream {routed.target.key} unreachable: {exc!r}", "server_error")
+        except BaseException:
+            router.finish(routed, ok=False)
+            raise
+        else:
+            if response.status_code not in RETRYABLE or attempt == config.max_retries:
+                return routed, response
+            await response.aclose()
+            last = ProxyError(response.status_code, f"upstream {routed.target.key} answered {response.status_code}",
+                              "server_error")
+        routed.target.breaker.record_failure()
+        router.finish(routed, ok=False)
+        router.stats.retries += 1
+        logger.warning("retrying after %s (attempt %d)", last.message, attempt + 1)
+        await asyncio.sleep(config.retry_backoff_s * (1.5 ** attempt) * (1 + 0.2 * random.random()))
+    raise last
+
+
+def usage_of(event: bytes) -> dict | None:
+    """The usage object of an SSE event, if it carries one (cheap check before parsing)."""
+    if b'"usage"' not in event:
+        return None
+    try:
+        data = json.loads(event[event.index(b"{"):])
+    except ValueError:
+        return None
+    return data.get("usage") if isinstance(data, dict) else None
+
+
+def is_usage_only(event: bytes) -> bool:
+    try:
+        data = json.loads(event[event.index(b"{"):])
+    except ValueError:
+        return False
+    return isinstance(data, dict) and data.get("usage") is not None and not data.get("choices")
+
+
+async def relay(router: Router, routed: Routed, response: httpx.Response, client_wants_usage: bool):
+    """Yield the upstream's SSE events as they arrive; end the load however the stream ends."""
+    buffer = b""
+    usage = None
+    ok = False
+    try:
+        async for chunk in response.aiter_raw():
+            buffer += chunk
+            while b"\n\n" in buffer:
+                event, buffer = buffer.split(b"\n\n", 1)
+                if not routed.ticket.prefilled:
+                    router.first_token(routed)
+                found = usage_of(event)
+                if found is not None:
+                    usage = found
+                    if not client_wants_usage and is_usage_only(event):
+                        continue
+                yield event + b"\n\n"
+        if buffer:
+            yield buffer
+        ok = True
+    except httpx.HTTPError as exc:
+        error = ProxyError(502, f"upstream {routed.target.key} failed mid-stream: {exc!r}", "server_error")
+        yield b"data: " + error.body() + b"\n\ndata: [DONE]\n\n"
+    finally:
+        router.finish(routed, ok=ok, usage=usage)
+        await response.aclose()

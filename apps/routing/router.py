@@ -1,0 +1,152 @@
+"""The router's state and its one decision: which target serves this request.
+
+One ``Router`` per process, created by ``runrouter`` / ``serve`` (``configure``) or lazily with
+the settings' defaults; tests build their own and install it with ``set_router``.
+"""
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass, field
+
+from django.conf import settings
+
+from apps.replicas.fleet import Fleet, Target
+from apps.routing.digests import RequestShape, shape_request
+from apps.routing.index import PrefixIndex
+from apps.routing.load import LoadTicket
+from apps.routing.policies import Policy, make_policy
+from apps.routing.stats import RouterStats
+
+logger = logging.getLogger(__name__)
+
+
+class NoTarget(Exception):
+    """No available target serves the requested model."""
+
+
+@dataclass
+class RouterConfig:
+    policy: str = "cache_aware"
+    dp_aware: bool = True
+    tokenizer_path: str | None = None
+    cache_threshold: float = 0.3  # accepted for SGLang compatibility (see docs/routing.md)
+    balance_abs_threshold: int = 64
+    balance_rel_threshold: float = 1.5
+    decode_weight: float = 16.0
+    prefix_ttl_s: float = 600.0
+    request_timeout_s: float = 600.0
+    connect_timeout_s: float = 5.0
+    max_retries: int = 3
+    retry_backoff_s: float = 0.05
+    health_check_interval_s: float = 10.0
+    health_failure_threshold: int = 3
+    health_success_threshold: int = 2
+    stats_persist_interval_s: float = 5.0
+
+    @classmethod
+    def from_settings(cls, **overrides) -> "RouterConfig":
+        cp = settings.CONTROL_PLANE
+        base = cls(policy=cp.get("POLICY", "cache_aware"), cache_threshold=cp.get("CACHE_THRESHOLD", 0.3),
+                   balance_abs_threshold=cp.get("BALANCE_ABS_THRESHOLD", 64),
+                   balance_rel_threshold=cp.get("BALANCE_REL_THRESHOLD", 1.5),
+                   health_check_interval_s=cp.get("HEALTH_CHECK_INTERVAL_S", 10.0),
+                   request_timeout_s=cp.get("REQUEST_TIMEOUT_S", 600.0))
+        for key, value in overrides.items():
+            if value is not None:
+                setattr(base, key, value)
+        return base
+
+
+@dataclass
+class Routed:
+    """A dispatched request: where it went, what the index predicted, and its load ticket."""
+    target: Target
+    shape: RequestShape
+    predicted_tokens: int
+    ticket: LoadTicket
+    finished: bool = field(default=False)
+
+
+class Router:
+    def __init__(self, config: RouterConfig | None = None, rng: random.Random | None = None):
+        self.config = config or RouterConfig.from_settings()
+        self.rng = rng or random.Random()
+        self.fleet = Fleet()
+        self.index = PrefixIndex(ttl_s=self.config.prefix_ttl_s)
+        self.stats = RouterStats()
+        self.policy: Policy = self._make_policy(self.config.policy)
+
+    def _make_policy(self, name: str) -> Policy:
+        if name == "cache_aware":
+            return make_policy(name, rng=self.rng, decode_weight=self.config.decode_weight)
+        policy = make_policy(name)
+        policy.rng = self.rng
+        return policy
+
+    def set_policy(self, name: str) -> None:
+        """Switch the policy for the next requests (the index keeps learning either way)."""
+        self.policy = self._make_policy(name)
+        self.config.policy = name
+        logger.info("routing policy is now %s", name)
+
+    def sync_capacity(self) -> None:
+        for target in self.fleet.all_targets():
+            self.index.set_capacity(target.key, target.worker.capacity_blocks)
+
+    def route(self, body: dict, chat: bool, model: str | None, exclude: set[str] = frozenset()) -> Routed:
+        """Choose a target and commit: begin its load, and insert the request's blocks into the
+        index for it (the engine caches them as it prefills)."""
+        candidates = [t for t in self.fleet.candidates(model) if t.key not in exclude]
+        if not candidates and model and len(self.fleet.models()) == 1:
+            candidates = [t for t in self.fleet.candidates(None) if t.key not in exclude]
+        if not candidates:
+            raise NoTarget(f"no available worker serves model {model!r}" if model else "no available worker")
+        shape = self._shape(body, chat, candidates[0])
+        matched = self.index.match(shape.digests, [t.key for t in candidates])
+        target = self.policy.choose(candidates, shape, matched)
+        predicted = min(matched.get(target.key, 0), (shape.prompt_tokens - 1) // shape.block_tokens) \
+            * shape.block_tokens
+        ticket = target.load.begin(shape.prompt_tokens, shape.prompt_tokens - predicted)
+        self.index.insert(target.key, shape.digests)
+        self.stats.dispatched(target.key, shape.prompt_tokens, predicted)
+        return Routed(target, shape, predicted, ticket)
+
+    def _shape(self, body: dict, chat: bool, target: Target) -> RequestShape:
+        worker = target.worker
+        return shape_request(body, chat, self.config.tokenizer_path or worker.tokenizer_path,
+                             worker.block_size or (16 if self.config.tokenizer_path else None))
+
+    def first_token(self, routed: Routed) -> None:
+        routed.target.load.first_token(routed.ticket)
+
+    def finish(self, routed: Routed, *, ok: bool, usage: dict | None = None) -> None:
+        """End the request's load (idempotent) and record what the engine reported."""
+        if routed.finished:
+            return
+        routed.finished = True
+        routed.target.load.end(routed.ticket)
+        if ok:
+            routed.target.breaker.record_success()
+        cached = None
+        if usage:
+            details = usage.get("prompt_tokens_details") or {}
+            cached = details.get("cached_tokens")
+        self.stats.finished(routed.target.key, ok=ok, cached_tokens=cached)
+
+
+_router: Router | None = None
+
+
+def get_router() -> Router:
+    global _router
+    if _router is None:
+        _router = Router()
+    return _router
+
+
+def set_router(router: Router | None) -> Router | None:
+    """Install ``router`` as the process's router (tests, management commands)."""
+    global _router
+    _router = router
+    return router
