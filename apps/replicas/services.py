@@ -55,7 +55,10 @@ def install(router: Router, worker: Worker, rank_ids: dict) -> None:
     """Put a discovered worker's targets into the router."""
     if not worker.server_info:
         return  # not discovered yet: the health loop keeps trying
+    before = {t.key for t in router.fleet.targets.get(worker.id, [])}
     targets = router.fleet.put(view_of(worker, router.config.tokenizer_path), rank_ids)
+    for key in before - {t.key for t in targets}:  # dp_size or dp-awareness changed
+        router.index.remove_rank(key)
     for target in targets:
         router.index.set_capacity(target.key, target.worker.capacity_blocks)
 

@@ -82,6 +82,11 @@ class RequestShape:
     def __init__(self, digests: list[int], prompt_tokens: int, block_tokens: int):
         self.digests, self.prompt_tokens, self.block_tokens = digests, prompt_tokens, block_tokens
 
+    @property
+    def hittable_blocks(self) -> int:
+        """Blocks an engine can serve from cache: it always recomputes the last prompt token."""
+        return max(0, (self.prompt_tokens - 1) // self.block_tokens)
+
 
 def shape_request(body: dict, chat: bool, tokenizer_path: str | None, block_size: int | None) -> RequestShape:
     if tokenizer_path and block_size:

@@ -17,6 +17,10 @@ class PrefixIndex:
         self.ranks: dict[str, OrderedDict[int, float]] = {}  # rank key -> digest -> last use
         self.capacity: dict[str, int] = {}
         self.owners: dict[int, set[str]] = {}  # digest -> rank keys holding it
+        # Fan-out: a block followed by two different blocks is a shared prefix's end (a system
+        # prompt, a few-shot header); a chain of single-child blocks is one session's history.
+        self.first_child: dict[int, int] = {}
+        self.branching: set[int] = set()
 
     def set_capacity(self, key: str, blocks: int | None) -> None:
         self.capacity[key] = blocks or self.default_capacity
@@ -39,11 +43,25 @@ class PrefixIndex:
                 matched[key] = i + 1
         return matched
 
+    def shared_blocks(self, digests: list[int]) -> int:
+        """How many leading blocks of ``digests`` are a prefix that several requests branch from
+        (up to and including the deepest branching block)."""
+        depth = 0
+        for i, digest in enumerate(digests):
+            if digest not in self.owners:
+                break
+            if digest in self.branching:
+                depth = i + 1
+        return depth
+
     def insert(self, key: str, digests: list[int]) -> None:
         """Record that rank ``key`` now holds ``digests`` (most recently used)."""
+        for parent, child in zip(digests, digests[1:]):
+            if self.first_child.setdefault(parent, child) != child:
+                self.branching.add(parent)
         now = self.clock()
         lru = self.ranks.setdefault(key, OrderedDict())
-        for digest in digests:
+        for digest in reversed(digests):  # the head ends most recent: like the engine, evict tails first
             if digest in lru:
                 lru.move_to_end(digest)
             else:
@@ -72,6 +90,8 @@ class PrefixIndex:
             holders.discard(key)
             if not holders:
                 del self.owners[digest]
+                self.first_child.pop(digest, None)
+                self.branching.discard(digest)
 
     def size(self, key: str) -> int:
         return len(self.ranks.get(key, ()))

@@ -7,7 +7,11 @@ the work that delays a newcomer's first token.
 """
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass
+
+RECENT_HALF_LIFE_S = 3.0
 
 
 @dataclass
@@ -19,17 +23,28 @@ class LoadTicket:
 
 
 class RankLoad:
-    def __init__(self):
+    def __init__(self, clock=time.monotonic):
         self.requests = 0
         self.prompt_tokens = 0
         self.pending_prefill_tokens = 0
-        self.dispatched = 0  # requests ever sent here (for recency-aware tie-breaks)
+        self.dispatched = 0  # requests ever sent here
+        self.clock = clock
+        self._recent = 0.0
+        self._recent_at = clock()
+
+    def recent_tokens(self, now: float | None = None) -> float:
+        """Prompt tokens dispatched here lately, decayed with a 3 s half-life: who has been
+        serving the sessions that are still active, which in-flight counts alone miss between turns."""
+        now = self.clock() if now is None else now
+        return self._recent * math.exp2(-(now - self._recent_at) / RECENT_HALF_LIFE_S)
 
     def begin(self, prompt_tokens: int, prefill_tokens: int) -> LoadTicket:
         self.requests += 1
         self.prompt_tokens += prompt_tokens
         self.pending_prefill_tokens += prefill_tokens
         self.dispatched += 1
+        now = self.clock()
+        self._recent, self._recent_at = self.recent_tokens(now) + prompt_tokens, now
         return LoadTicket(prompt_tokens, prefill_tokens)
 
     def first_token(self, ticket: LoadTicket) -> None:

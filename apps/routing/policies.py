@@ -17,9 +17,11 @@ class Policy(abc.ABC):
         self.rng = rng or random.Random()
 
     @abc.abstractmethod
-    def choose(self, targets: list[Target], shape: RequestShape, matched: dict[str, int]) -> Target:
+    def choose(self, targets: list[Target], shape: RequestShape, matched: dict[str, int],
+               shared_blocks: int = 0) -> Target:
         """Pick one of ``targets`` (non-empty). ``matched`` maps target keys to the leading
-        blocks of the request the index believes they hold."""
+        blocks of the request the index believes they hold; the first ``shared_blocks`` of the
+        request are a prefix many requests share."""
 
 
 class RoundRobin(Policy):
@@ -29,7 +31,7 @@ class RoundRobin(Policy):
         super().__init__(rng)
         self.cursor = itertools.count()
 
-    def choose(self, targets, shape, matched):
+    def choose(self, targets, shape, matched, shared_blocks=0):
         ordered = sorted(targets, key=lambda t: t.key)
         return ordered[next(self.cursor) % len(ordered)]
 
@@ -37,14 +39,14 @@ class RoundRobin(Policy):
 class Random(Policy):
     name = "random"
 
-    def choose(self, targets, shape, matched):
+    def choose(self, targets, shape, matched, shared_blocks=0):
         return self.rng.choice(targets)
 
 
 class PowerOfTwo(Policy):
     name = "power_of_two"
 
-    def choose(self, targets, shape, matched):
+    def choose(self, targets, shape, matched, shared_blocks=0):
         if len(targets) == 1:
             return targets[0]
         a, b = self.rng.sample(targets, 2)
@@ -52,39 +54,69 @@ class PowerOfTwo(Policy):
 
 
 class CacheAware(Policy):
-    """Choose the target where this request's first token comes soonest.
+    """Choose the target where this request costs least, now and for the sessions that follow.
 
     cost(t) = uncached prefill tokens of this request on t      (what t must compute for it)
-            + prefill tokens already queued on t                (what it computes first)
-            + decode_weight x requests decoding on t            (each adds a token to every step)
+            + prefill tokens already queued on t                (what it computes before it)
+            + decode_weight x requests running on t             (each adds a token to every step)
+            + stickiness x private blocks t lacks              (leaving a session's home strands
+                                                                 its history: later turns pay again)
+            + balance_weight x pressure x (t's recent volume / mean - 1)
+                                                                (where sessions pile up over time)
 
-    The lowest cost wins; ties go to the target with the fewest requests, then the one that has
-    been sent the fewest, then chance, so cold prefixes spread evenly instead of piling onto
-    target 0. A hot prefix stays home until home's queue costs more than recomputing the prefix
-    elsewhere; then it is replicated to a second target, and later requests weigh both. No global
-    switch ever turns affinity off for the whole fleet.
+    "Private" blocks are matched blocks past the deepest shared branch point
+    (``PrefixIndex.shared_blocks``): one session's own history. A shared prefix (a system prompt
+    every conversation starts with, a hot document) carries no stickiness. The balance term uses
+    prompt tokens dispatched lately (decayed, ``RankLoad.recent_tokens``), relative to the mean over
+    the candidates: it is what makes a shared prefix worth replicating to an idle target before any
+    queue forms there, and it steers new sessions to where active sessions are fewest. It is scaled
+    by ``pressure`` (requests in flight per target, capped at 1): an idle fleet has nothing to
+    balance, so affinity alone decides there. It is bounded (at most ``balance_weight`` x
+    (targets - 1) tokens), so it never outweighs a large cached prefix: there is no global switch
+    that turns affinity off for the whole fleet.
+
+    The lowest cost wins; targets within ``slack`` tokens of it count as tied and go to the one with
+    the least recent volume, then the fewest requests, then chance (never always target 0).
     """
 
     name = "cache_aware"
 
-    def __init__(self, rng=None, decode_weight: float = 16.0):
+    def __init__(self, rng=None, decode_weight: float = 16.0, stickiness: float = 2.0,
+                 balance_weight: float = 512.0, slack: float = 32.0, new_session_slack: float = 256.0):
         super().__init__(rng)
-        self.decode_weight = decode_weight
+        self.decode_weight, self.stickiness, self.balance_weight = decode_weight, stickiness, balance_weight
+        self.slack, self.new_session_slack = slack, new_session_slack
 
     def matched_tokens(self, target: Target, shape: RequestShape, matched: dict[str, int]) -> int:
-        # the engine always recomputes the prompt's last token, so its last full block never hits
-        usable = (shape.prompt_tokens - 1) // shape.block_tokens
-        return min(matched.get(target.key, 0), usable) * shape.block_tokens
+        return min(matched.get(target.key, 0), shape.hittable_blocks) * shape.block_tokens
 
-    def cost(self, target: Target, shape: RequestShape, matched: dict[str, int]) -> float:
-        load = target.load
-        decoding = load.requests
-        uncached = shape.prompt_tokens - self.matched_tokens(target, shape, matched)
-        return uncached + load.pending_prefill_tokens + self.decode_weight * decoding
+    def costs(self, targets: list[Target], shape: RequestShape, matched: dict[str, int],
+              shared_blocks: int = 0) -> list[float]:
+        hits = [self.matched_tokens(t, shape, matched) for t in targets]
+        best_match, shared = max(hits), shared_blocks * shape.block_tokens
+        recent = [t.load.recent_tokens() for t in targets]
+        mean_recent = sum(recent) / len(recent)
+        # Balance only matters under contention: with the fleet idle, affinity alone decides. And it
+        # decides where sessions start; a session with private history moves only for a real queue.
+        pressure = min(1.0, sum(t.load.requests for t in targets) / len(targets)) if best_match <= shared else 0.0
+        out = []
+        for t, hit, vol in zip(targets, hits, recent):
+            stranded = max(0, best_match - max(hit, shared))
+            excess = vol / mean_recent - 1 if mean_recent > 0 else 0.0
+            out.append(shape.prompt_tokens - hit + t.load.pending_prefill_tokens
+                       + self.decode_weight * t.load.requests + self.stickiness * stranded
+                       + self.balance_weight * pressure * excess)
+        return out
 
-    def choose(self, targets, shape, matched):
-        return min(targets, key=lambda t: (self.cost(t, shape, matched), t.load.requests, t.load.dispatched,
-                                           self.rng.random()))
+    def choose(self, targets, shape, matched, shared_blocks=0):
+        costs = self.costs(targets, shape, matched, shared_blocks)
+        best = min(costs)
+        private = max(self.matched_tokens(t, shape, matched) for t in targets) > shared_blocks * shape.block_tokens
+        # A request with no private history anywhere starts a session: where it lands is where its
+        # later turns go, so among targets nearly as cheap now, the least loaded lately wins.
+        slack = self.slack if private else self.new_session_slack
+        near = [t for c, t in zip(costs, targets) if c <= best + slack]
+        return min(near, key=lambda t: (t.load.recent_tokens(), t.load.requests, self.rng.random()))
 
 
 POLICIES = {cls.name: cls for cls in (RoundRobin, Random, PowerOfTwo, CacheAware)}

@@ -102,15 +102,35 @@ class Router:
             candidates = [t for t in self.fleet.candidates(None) if t.key not in exclude]
         if not candidates:
             raise NoTarget(f"no available worker serves model {model!r}" if model else "no available worker")
-        shape = self._shape(body, chat, candidates[0])
-        matched = self.index.match(shape.digests, [t.key for t in candidates])
-        target = self.policy.choose(candidates, shape, matched)
-        predicted = min(matched.get(target.key, 0), (shape.prompt_tokens - 1) // shape.block_tokens) \
-            * shape.block_tokens
+        shapes, matched, shared = self._match(body, chat, candidates)
+        primary = shapes[candidates[0].key]
+        target = self.policy.choose(candidates, primary, matched, shared)
+        shape = shapes[target.key]
+        predicted = min(matched.get(target.key, 0) * primary.block_tokens // shape.block_tokens,
+                        shape.hittable_blocks) * shape.block_tokens
         ticket = target.load.begin(shape.prompt_tokens, shape.prompt_tokens - predicted)
         self.index.insert(target.key, shape.digests)
         self.stats.dispatched(target.key, shape.prompt_tokens, predicted)
         return Routed(target, shape, predicted, ticket)
+
+    def _match(self, body: dict, chat: bool, candidates: list[Target]):
+        """The request's shape for each candidate (workers may differ in tokenizer or block size:
+        each is matched in its own digests), the matches in units of the first candidate's blocks,
+        and the shared-prefix depth in those units."""
+        groups: dict[tuple, list[Target]] = {}
+        for t in candidates:
+            groups.setdefault((t.worker.tokenizer_path, t.worker.block_size), []).append(t)
+        shapes, matched, shared = {}, {}, 0
+        unit = None
+        for members in groups.values():
+            shape = self._shape(body, chat, members[0])
+            unit = unit or shape.block_tokens
+            for t in members:
+                shapes[t.key] = shape
+            for key, blocks in self.index.match(shape.digests, [t.key for t in members]).items():
+                matched[key] = min(blocks, shape.hittable_blocks) * shape.block_tokens // unit
+            shared = max(shared, self.index.shared_blocks(shape.digests) * shape.block_tokens // unit)
+        return shapes, matched, shared
 
     def _shape(self, body: dict, chat: bool, target: Target) -> RequestShape:
         worker = target.worker

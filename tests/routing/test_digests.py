@@ -1,0 +1,143 @@
+"""The contract that makes routing work: for the same request, the router's block digests are the
+engine's (same tokenizer, same chat template, same chained xxh64), so its index speaks the
+engine's language. Without a tokenizer it falls back to chained digests of 64-character chunks."""
+import pytest
+import xxhash
+
+from apps.routing.digests import CHUNK_CHARS, load_tokenizer, routing_text, shape_request, text_digests
+from engine.digests import chain_digests
+from engine.server.openai_api import chat_prompt, completion_prompt
+from engine.tiny import VOCAB_SIZE, ensure_tiny_model
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def tiny_path() -> str:
+    return str(ensure_tiny_model())
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_path):
+    return load_tokenizer(tiny_path)
+
+
+CHAT = {"messages": [
+    {"role": "system", "content": "You are a careful assistant that answers questions about Python."},
+    {"role": "user", "content": "How does a for statement iterate over a sequence of items?"},
+    {"role": "assistant", "content": "It asks the object for an iterator and calls next() until it stops."},
+    {"role": "user", "content": "And what happens when the loop body raises an exception?"},
+]}
+
+CHAT_PARTS = {"messages": [
+    {"role": "system", "content": [{"type": "text", "text": "You are a careful assistant "},
+                                   {"type": "text", "text": "that answers questions about Python."}]},
+    {"role": "user", "content": [{"type": "text", "text": "How does a with statement close a file?"}]},
+    {"role": "assistant", "content": None},
+    {"role": "user", "content": "Explain the context manager protocol briefly."},
+]}
+
+PROMPT = ("The import statement searches for the named module, then binds the results of that search "
+          "to a name in the local scope. Packages are modules that contain other modules.")
+
+
+@pytest.mark.parametrize("body", [CHAT, CHAT_PARTS], ids=["strings", "text-parts"])
+def test_chat_digests_are_the_engines(body, tiny_path, tokenizer):
+    ids = chat_prompt(body, tokenizer)
+    shape = shape_request(body, True, tiny_path, BLOCK)
+    assert len(ids) >= 4 * BLOCK  # several full blocks, so the comparison means something
+    assert shape.digests == chain_digests(ids, BLOCK)
+    assert len(shape.digests) == len(ids) // BLOCK
+    assert (shape.prompt_tokens, shape.block_tokens) == (len(ids), BLOCK)
+
+
+def test_text_parts_digest_like_the_joined_string(tiny_path):
+    joined = {"messages": [{"role": "user", "content": "How does a with statement close a file? Tell me."}]}
+    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "How does a with statement "},
+                                                         {"type": "text", "text": "close a file? Tell me."}]}]}
+    assert shape_request(parts, True, tiny_path, 4).digests == shape_request(joined, True, tiny_path, 4).digests
+
+
+def test_chat_template_is_applied(tiny_path, tokenizer):
+    shape = shape_request(CHAT, True, tiny_path, BLOCK)
+    raw = "".join(m["content"] for m in CHAT["messages"])
+    raw_ids = tokenizer.encode(raw, add_special_tokens=False)
+    assert shape.digests[0] != chain_digests(raw_ids, BLOCK)[0]
+    assert not set(shape.digests) & set(chain_digests(raw_ids, BLOCK))
+    # the generation prompt is part of what the engine prefills
+    assert shape.prompt_tokens > len(raw_ids)
+
+
+def test_completion_string_digests_are_the_engines(tiny_path, tokenizer):
+    body = {"prompt": PROMPT}
+    ids = completion_prompt(body, tokenizer, vocab_size=VOCAB_SIZE)
+    shape = shape_request(body, False, tiny_path, BLOCK)
+    assert len(ids) >= 2 * BLOCK
+    assert shape.digests == chain_digests(ids, BLOCK)
+    assert shape.prompt_tokens == len(ids)
+    # a batch of one is the same prompt
+    assert shape_request({"prompt": [PROMPT]}, False, tiny_path, BLOCK).digests == shape.digests
+
+
+def test_completion_token_ids_digests_are_the_engines(tiny_path, tokenizer):
+    ids_in = [(7 * i + 3) % VOCAB_SIZE for i in range(50)]
+    body = {"prompt": ids_in}
+    ids = completion_prompt(body, tokenizer, vocab_size=VOCAB_SIZE)
+    shape = shape_request(body, False, tiny_path, BLOCK)
+    assert ids == ids_in
+    assert len(shape.digests) == 3  # 50 // 16; the partial block has none
+    assert shape.digests == chain_digests(ids, BLOCK)
+    assert shape.prompt_tokens == 50
+    assert shape_request({"prompt": [ids_in]}, False, tiny_path, BLOCK).digests == shape.digests
+
+
+def test_block_size_is_the_workers(tiny_path, tokenizer):
+    ids = completion_prompt({"prompt": PROMPT}, tokenizer, vocab_size=VOCAB_SIZE)
+    shape = shape_request({"prompt": PROMPT}, False, tiny_path, 4)
+    assert shape.digests == chain_digests(ids, 4)
+    assert len(shape.digests) == len(ids) // 4
+    assert shape.block_tokens == 4
+
+
+def test_fallback_without_tokenizer_digests_64_character_chunks():
+    text = "".join(chr(ord("a") + i % 26) for i in range(3 * CHUNK_CHARS + 10))
+    shape = shape_request({"prompt": text}, False, None, None)
+    first = xxhash.xxh64_intdigest(text[:64].encode())
+    second = xxhash.xxh64_intdigest(first.to_bytes(8, "little") + text[64:128].encode())
+    assert CHUNK_CHARS == 64
+    assert len(shape.digests) == 3  # the trailing 10 characters have no digest
+    assert shape.digests[:2] == [first, second]
+    assert shape.digests == text_digests(text)
+    assert (shape.prompt_tokens, shape.block_tokens) == (len(text) // 4, 16)
+
+
+def test_fallback_digests_are_chained():
+    text = "x" * (4 * CHUNK_CHARS)
+    changed = "y" + text[1:]
+    base, other = text_digests(text), text_digests(changed)
+    assert len(base) == len(other) == 4
+    assert all(a != b for a, b in zip(base, other))  # changing chunk 0 changes every later digest
+    same_head = text_digests(text[:2 * CHUNK_CHARS] + "z" * (2 * CHUNK_CHARS))
+    assert same_head[:2] == base[:2] and same_head[2] != base[2]
+
+
+def test_fallback_short_text_has_no_digest():
+    assert text_digests("a" * (CHUNK_CHARS - 1)) == []
+    assert len(text_digests("a" * CHUNK_CHARS)) == 1
+    shape = shape_request({"prompt": "hi"}, False, None, None)
+    assert (shape.digests, shape.prompt_tokens) == ([], 1)
+
+
+def test_fallback_for_chat_uses_roles_and_text():
+    body = {"messages": [{"role": "user", "content": "a" * 70}, {"role": "assistant", "content": [{"type": "text",
+                                                                                                  "text": "b"}]}]}
+    text = routing_text(body, True)
+    assert text == "user:" + "a" * 70 + "\nassistant:b\n"
+    assert shape_request(body, True, None, None).digests == text_digests(text)
+
+
+def test_a_body_the_tokenizer_path_cannot_parse_falls_back(tiny_path):
+    body = {"prompt": {"not": "a prompt"}}
+    shape = shape_request(body, False, tiny_path, BLOCK)
+    assert shape.block_tokens == CHUNK_CHARS // 4
+    assert shape.digests == text_digests(str(body["prompt"]))

@@ -1,0 +1,180 @@
+"""PrefixIndex: leading-block matches per rank, an LRU per rank bounded by its KV capacity, TTL
+expiry, and removal; every number exact, on a fake clock."""
+import pytest
+
+from apps.routing.index import PrefixIndex
+from tests.routing.helpers import Clock
+
+
+@pytest.fixture
+def clock():
+    return Clock()
+
+
+@pytest.fixture
+def index(clock):
+    return PrefixIndex(ttl_s=100.0, default_capacity=1000, clock=clock)
+
+
+def assert_consistent(index: PrefixIndex) -> None:
+    """owners is exactly the inverse of ranks, with no empty holder sets."""
+    inverse: dict[int, set[str]] = {}
+    for key, lru in index.ranks.items():
+        for digest in lru:
+            inverse.setdefault(digest, set()).add(key)
+    assert index.owners == inverse
+    assert all(index.owners.values())
+    # the fan-out bookkeeping only speaks of digests some rank still holds
+    assert set(index.first_child) <= set(index.owners)
+    assert index.branching <= set(index.owners)
+
+
+def test_match_counts_leading_blocks_per_key(index):
+    index.insert("a", [1, 2, 3, 4])
+    index.insert("b", [1, 2])
+    index.insert("c", [9])
+    assert index.match([1, 2, 3, 4, 5]) == {"a": 4, "b": 2}
+    assert index.match([1, 2]) == {"a": 2, "b": 2}
+    assert index.match([9, 1]) == {"c": 1}
+    assert index.match([5, 1, 2]) == {}
+    assert index.match([]) == {}
+
+
+def test_match_stops_at_the_first_gap(index):
+    index.insert("a", [10, 11, 13])  # holds blocks 0, 1 and 3 of the request, not 2
+    assert index.match([10, 11, 12, 13]) == {"a": 2}
+    index.insert("b", [11, 12])  # no block 0: nothing matches, whatever follows
+    assert index.match([10, 11, 12]) == {"a": 2}
+
+
+def test_match_is_restricted_to_the_given_keys(index):
+    index.insert("a", [1, 2, 3])
+    index.insert("b", [1, 2])
+    assert index.match([1, 2, 3], keys=["b"]) == {"b": 2}
+    assert index.match([1, 2, 3], keys=["b", "zzz"]) == {"b": 2}
+    assert index.match([1, 2, 3], keys=[]) == {}
+    assert index.match([1, 2, 3], keys=["a", "b"]) == {"a": 3, "b": 2}
+
+
+def test_match_does_not_change_recency(index, clock):
+    index.insert("a", [1, 2])
+    clock.now += 99
+    index.match([1, 2])
+    clock.now += 2
+    assert index.match([1, 2]) == {}
+
+
+def test_capacity_evicts_least_recently_used(index, clock):
+    index.set_capacity("a", 3)
+    for digest in (1, 2, 3):  # one at a time: 1 is the least recently used
+        index.insert("a", [digest])
+    clock.now += 1
+    index.insert("a", [1])  # 1 is now the most recently used
+    index.insert("a", [4])  # over capacity: 2 (the least recently used) goes
+    assert list(index.ranks["a"]) == [3, 1, 4]
+    assert index.size("a") == 3
+    assert 2 not in index.owners
+    assert index.owners[1] == {"a"}
+    assert_consistent(index)
+
+
+def test_shrinking_capacity_trims_at_once_and_keeps_other_keys(index):
+    for digest in (1, 2, 3, 4, 5):
+        index.insert("a", [digest])
+    index.insert("b", [1, 2])
+    index.set_capacity("a", 2)
+    assert list(index.ranks["a"]) == [4, 5]
+    assert index.owners[1] == {"b"} and index.owners[2] == {"b"}
+    assert 3 not in index.owners
+    assert index.match([1, 2]) == {"b": 2}
+    assert_consistent(index)
+
+
+def test_capacity_none_means_the_default(index):
+    index.set_capacity("a", None)
+    assert index.capacity["a"] == 1000
+    index.insert("a", list(range(1200)))
+    assert index.size("a") == 1000
+    assert_consistent(index)
+
+
+def test_eviction_keeps_a_matchable_prefix(index):
+    """The engine frees a sequence's tail blocks first, so its prefix cache keeps a chain's head
+    longest. The index must evict the same way: a chain whose head is gone matches nothing, and
+    its surviving tail entries only take room."""
+    index.set_capacity("a", 4)
+    index.insert("a", [1, 2, 3])  # one request's chain
+    index.insert("a", [7, 8])  # another: one entry must go, and it is 3, not 1
+    assert index.match([1, 2, 3]) == {"a": 2}
+    assert index.match([7, 8]) == {"a": 2}
+    index.insert("a", [10, 11, 12, 13, 14, 15])  # longer than the capacity: its head survives
+    assert index.match([10, 11, 12, 13, 14, 15]) == {"a": 4}
+    assert_consistent(index)
+
+
+def test_ttl_expires_entries_for_match(index, clock):
+    index.insert("a", [1, 2])
+    clock.now += 50
+    index.insert("a", [1])  # refreshes block 0 only
+    clock.now += 50  # block 1 is exactly ttl old: still alive
+    assert index.match([1, 2]) == {"a": 2}
+    clock.now += 0.5  # block 1 expired, block 0 is 50.5 s old
+    assert index.match([1, 2]) == {"a": 1}
+    clock.now += 50
+    assert index.match([1, 2]) == {}
+
+
+def test_expired_entries_of_one_key_do_not_hide_another(index, clock):
+    index.insert("a", [1, 2])
+    clock.now += 60
+    index.insert("b", [1, 2])
+    clock.now += 60
+    assert index.match([1, 2]) == {"b": 2}
+
+
+def test_insert_trims_expired_heads(index, clock):
+    index.insert("a", [1, 2])
+    clock.now += 101
+    index.insert("a", [3])
+    assert list(index.ranks["a"]) == [3]
+    assert 1 not in index.owners and 2 not in index.owners
+    assert_consistent(index)
+
+
+def test_remove_rank(index):
+    index.set_capacity("a", 10)
+    index.insert("a", [1, 2, 3])
+    index.insert("b", [1, 2])
+    index.remove_rank("a")
+    assert "a" not in index.ranks and "a" not in index.capacity
+    assert index.owners == {1: {"b"}, 2: {"b"}}
+    assert index.match([1, 2, 3]) == {"b": 2}
+    assert index.size("a") == 0
+    index.remove_rank("a")  # removing twice is harmless
+    index.remove_rank("never-seen")
+    assert_consistent(index)
+
+
+def test_shared_blocks_end_at_the_deepest_branch_point(index):
+    index.insert("a", [1, 2, 3, 4])
+    assert index.shared_blocks([1, 2, 3, 4]) == 0  # one chain: all of it private
+    index.insert("b", [1, 2, 7])  # a second request branches after block 1
+    assert index.shared_blocks([1, 2, 3, 4]) == 2
+    assert index.shared_blocks([1, 2, 7]) == 2
+    assert index.shared_blocks([1, 9]) == 0  # block 0 has had one child so far
+    index.insert("a", [1, 5])  # another branch, at block 0
+    assert index.shared_blocks([1, 9]) == 1
+    assert index.shared_blocks([1, 2, 3]) == 2
+    assert index.shared_blocks([8, 1, 2]) == 0  # not held: nothing shared
+    assert_consistent(index)
+
+
+def test_fan_out_is_forgotten_with_the_blocks(index):
+    index.insert("a", [1, 2])
+    index.insert("b", [1, 3])
+    assert index.shared_blocks([1, 2]) == 1
+    index.remove_rank("a")
+    index.remove_rank("b")
+    assert index.owners == {} and index.first_child == {} and index.branching == set()
+    index.insert("a", [1, 4])
+    assert index.shared_blocks([1, 4]) == 0

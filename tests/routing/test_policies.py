@@ -1,0 +1,267 @@
+"""Routing policies on hand-built targets (fake clock, explicit parameters): CacheAware's cost
+model -- prefix affinity, the engine's last-token rule, hot-prefix replication at the exact
+break-even point, stickiness of a session's private history, the recent-volume balance term, the
+slack band, even spread of cold requests -- and the simple baselines."""
+import collections
+import random
+
+import pytest
+
+from apps.routing.digests import RequestShape
+from apps.routing.load import RECENT_HALF_LIFE_S
+from apps.routing.policies import CacheAware, PowerOfTwo, Random, RoundRobin, make_policy
+from tests.routing.helpers import Clock, targets
+
+B = 16
+
+
+def shape(prompt_tokens: int, blocks: int | None = None) -> RequestShape:
+    blocks = prompt_tokens // B if blocks is None else blocks
+    return RequestShape(list(range(100, 100 + blocks)), prompt_tokens, B)
+
+
+def cache_aware(seed=0, **params) -> CacheAware:
+    values = {"decode_weight": 16.0, "stickiness": 1.0, "balance_weight": 256.0, "slack": 0.0,
+              "new_session_slack": 0.0, **params}
+    return CacheAware(rng=random.Random(seed), **values)
+
+
+def same_recent_volume(ts, tokens=200):
+    """One finished request of ``tokens`` on each target at the same instant: the balance term
+    (recent volume relative to the mean) is then exactly zero everywhere."""
+    for t in ts:
+        t.load.end(t.load.begin(tokens, 0))
+
+
+def test_prefers_the_target_holding_the_prefix():
+    policy = cache_aware()
+    ts = targets(4)
+    s = shape(100)
+    assert policy.choose(ts, s, {ts[2].key: 6}) is ts[2]
+    assert policy.choose(ts, s, {ts[1].key: 2, ts[3].key: 5}) is ts[3]
+    # 100 tokens, 5 blocks (80 tokens) cached on ts[3]: it computes 20; the others compute 100 and
+    # strand 80 tokens of private history (stickiness 1), ts[1] less what it holds itself
+    assert policy.costs(ts, s, {ts[1].key: 2, ts[3].key: 5}) == [180, 100 - 32 + 48, 180, 20]
+
+
+def test_last_token_rule_caps_matched_blocks():
+    policy = cache_aware()
+    t = targets(1)[0]
+    # 64 tokens: the engine recomputes token 63, so only blocks 0..2 can hit
+    assert policy.matched_tokens(t, shape(64), {t.key: 4}) == 48
+    assert policy.matched_tokens(t, shape(65), {t.key: 4}) == 64
+    assert policy.matched_tokens(t, shape(65), {t.key: 2}) == 32
+    assert policy.matched_tokens(t, shape(16), {t.key: 1}) == 0
+    assert policy.matched_tokens(t, shape(17), {t.key: 1}) == 16
+    assert policy.matched_tokens(t, shape(65), {}) == 0
+
+
+def test_matched_tokens_are_never_negative():
+    """An empty prompt (the engine rejects it, but the router routes it first) must not be
+    predicted to have -16 cached tokens, nor cost 16 tokens of prefill."""
+    policy = cache_aware()
+    t = targets(1)[0]
+    assert policy.matched_tokens(t, RequestShape([], 0, B), {}) == 0
+    assert policy.costs([t], RequestShape([], 0, B), {}) == [0]
+
+
+@pytest.mark.parametrize(("queued_prefill", "expected"), [(0, "home"), (63, "home"), (64, "tie"), (65, "away")])
+def test_hot_shared_prefix_moves_away_exactly_when_home_costs_more(queued_prefill, expected):
+    """65 prompt tokens whose 4 blocks (64 tokens) are a shared prefix cached at home. Both targets
+    run one request of the same size (so the balance term is zero). Elsewhere the request costs
+    65 + 16; at home 1 + 16 + home's queued prefill. Break-even is a queue of 64 tokens."""
+    policy = cache_aware()
+    home, away = targets(2)
+    home.load.begin(200, queued_prefill)
+    away.load.begin(200, 0)
+    s = shape(65, blocks=4)
+    matched = {home.key: 4}
+    assert policy.costs([home, away], s, matched, shared_blocks=4) == [1 + queued_prefill + 16, 65 + 16]
+    picks = {policy.choose(order, s, matched, shared_blocks=4).key
+             for order in ([home, away], [away, home]) for _ in range(20)}
+    assert picks == {"tie": {home.key, away.key}, "home": {home.key}, "away": {away.key}}[expected]
+
+
+@pytest.mark.parametrize(("queued_prefill", "expected"), [(127, "home"), (129, "away")])
+def test_private_history_is_stickier_than_a_shared_prefix(queued_prefill, expected):
+    """The same 64 cached tokens as one session's own history (no shared branch point): leaving
+    strands them, so away also pays 64 stickiness tokens and break-even moves to a 128-token queue."""
+    policy = cache_aware()
+    home, away = targets(2)
+    home.load.begin(200, queued_prefill)
+    away.load.begin(200, 0)
+    s = shape(65, blocks=4)
+    assert policy.costs([home, away], s, {home.key: 4}, shared_blocks=0) == [17 + queued_prefill, 81 + 64]
+    assert policy.choose([home, away], s, {home.key: 4}) is (home if expected == "home" else away)
+    assert policy.choose([away, home], s, {home.key: 4}) is (home if expected == "home" else away)
+
+
+def test_a_replicated_prefix_is_weighed_on_both_copies():
+    policy = cache_aware()
+    home, copy, cold = targets(3)
+    for t, prefill in ((home, 100), (copy, 0), (cold, 0)):
+        t.load.begin(200, prefill)
+    s = shape(65, blocks=4)
+    assert policy.choose([home, copy, cold], s, {home.key: 4, copy.key: 4}, shared_blocks=4) is copy
+
+
+def test_balance_term_sends_new_work_to_where_recent_volume_is_lowest():
+    clock = Clock()
+    policy = cache_aware(balance_weight=100.0)
+    busy, quiet = targets(2, clock=clock)
+    busy.load.begin(300, 0)  # one request in flight on each: pressure 1
+    quiet.load.begin(100, 0)
+    s = shape(40)
+    # recent volume 300 vs 100, mean 200: excess +0.5 and -0.5
+    assert policy.costs([busy, quiet], s, {}) == [40 + 16 + 50, 40 + 16 - 50]
+    assert policy.choose([busy, quiet], s, {}) is quiet
+    clock.now += RECENT_HALF_LIFE_S  # both halve: the ratio and so the costs stay
+    assert busy.load.recent_tokens() == pytest.approx(150) and quiet.load.recent_tokens() == pytest.approx(50)
+    assert policy.costs([busy, quiet], s, {}) == pytest.approx([106, 6])
+
+
+def test_balance_term_is_off_when_the_fleet_is_idle_and_for_private_history():
+    clock = Clock()
+    policy = cache_aware(balance_weight=100.0)
+    busy, quiet = targets(2, clock=clock)
+    busy.load.end(busy.load.begin(300, 0))
+    quiet.load.end(quiet.load.begin(100, 0))
+    assert policy.costs([busy, quiet], shape(40), {}) == [40, 40]  # nothing in flight: affinity alone
+    busy.load.begin(10, 0)
+    quiet.load.begin(10, 0)
+    # a session whose history (4 private blocks) sits on busy: no balance term, stickiness instead
+    assert policy.costs([busy, quiet], shape(80), {busy.key: 4}) == [16 + 16, 80 + 16 + 64]
+
+
+def test_balance_term_never_outweighs_a_large_cached_prefix():
+    clock = Clock()
+    policy = cache_aware()
+    home, away = targets(2, clock=clock)
+    home.load.begin(5000, 0)  # every recent token went home (excess +1 vs -1); pressure 1/2
+    s = shape(1000, blocks=62)
+    costs = policy.costs([home, away], s, {home.key: 62}, shared_blocks=62)
+    assert costs == [8 + 16 + 128, 1000 - 128]
+    assert policy.choose([home, away], s, {home.key: 62}, shared_blocks=62) is home
+
+
+def test_slack_makes_near_costs_a_tie_broken_by_recent_volume():
+    clock = Clock()
+    a, b = targets(2, clock=clock)
+    a.load.end(a.load.begin(10, 0))  # a has recent volume, b none
+    s = shape(40, blocks=2)
+    matched = {a.key: 1}
+    # a holds 16 of the 32 hittable tokens: a computes 24; b computes 40 and strands 16
+    assert cache_aware(balance_weight=0.0).costs([a, b], s, matched) == [24, 56]
+    assert cache_aware(slack=31.5, balance_weight=0.0).choose([a, b], s, matched) is a
+    # 56 <= 24 + 32: inside the band (inclusive), the target with less recent volume wins
+    assert cache_aware(slack=32.0, balance_weight=0.0).choose([a, b], s, matched) is b
+    # equal costs, equal volume: fewest running requests
+    c, d = targets(2, worker_id=2, clock=clock)
+    c.load.begin(10, 0)
+    c.load.begin(10, 0)
+    d.load.begin(20, 0)
+    assert c.load.recent_tokens() == d.load.recent_tokens() == 20
+    assert cache_aware(decode_weight=0.0, balance_weight=0.0).choose([c, d], shape(40), {}) is d
+
+
+def test_a_new_session_goes_to_the_least_recently_loaded_of_the_nearly_cheapest():
+    """No private history anywhere: where the request lands is where its later turns go, so a
+    wider band (new_session_slack) of near-cheapest targets goes to the least loaded lately."""
+    clock = Clock()
+    home, idle = targets(2, clock=clock)
+    home.load.end(home.load.begin(300, 0))
+    s = shape(200, blocks=12)
+    matched = {home.key: 12}  # all of it a shared prefix: 192 tokens cheaper at home
+    policy = cache_aware(balance_weight=0.0, new_session_slack=192.0)
+    assert policy.costs([home, idle], s, matched, shared_blocks=12) == [8, 200]
+    assert policy.choose([home, idle], s, matched, shared_blocks=12) is idle
+    assert cache_aware(balance_weight=0.0, new_session_slack=191.0).choose(
+        [home, idle], s, matched, shared_blocks=12) is home
+    # the same blocks as private history: the narrow slack applies, and stranding them costs more
+    assert policy.costs([home, idle], s, matched) == [8, 392]
+    assert cache_aware(balance_weight=0.0, slack=32.0, new_session_slack=1000.0).choose(
+        [home, idle], s, matched) is home
+
+
+def test_cold_requests_spread_evenly_under_load():
+    policy = cache_aware(slack=32.0, new_session_slack=256.0)
+    ts = targets(4)
+    for i in range(40):
+        s = RequestShape([i], 20, B)  # distinct, uncached
+        chosen = policy.choose(ts, s, {})
+        chosen.load.begin(s.prompt_tokens, s.prompt_tokens)
+    assert [t.load.requests for t in ts] == [10, 10, 10, 10]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_cold_requests_spread_evenly_when_each_finishes_at_once(seed):
+    """No load at all between requests: the balance term and the tie-breaks still spread them."""
+    clock = Clock()
+    policy = cache_aware(seed=seed, slack=32.0, new_session_slack=256.0)
+    ts = targets(3, clock=clock)
+    counts = collections.Counter()
+    for i in range(31):
+        clock.now += 0.5
+        s = RequestShape([i], 20, B)
+        chosen = policy.choose(ts, s, {})
+        chosen.load.end(chosen.load.begin(s.prompt_tokens, s.prompt_tokens))
+        counts[chosen.key] += 1
+    assert max(counts.values()) <= 31 // 3 + 1
+    assert len(counts) == 3
+    assert all(t.load.idle for t in ts)
+
+
+def test_cache_aware_choose_has_no_side_effects():
+    policy = cache_aware()
+    ts = targets(2)
+    policy.choose(ts, shape(40), {})
+    assert all(t.load.idle and t.load.dispatched == 0 and t.load.recent_tokens() == 0 for t in ts)
+
+
+def test_round_robin_cycles_in_key_order():
+    ts = targets(3)
+    rr = RoundRobin()
+    picks = [rr.choose(list(reversed(ts)), shape(20), {ts[0].key: 1}) for _ in range(7)]
+    assert picks == [ts[0], ts[1], ts[2], ts[0], ts[1], ts[2], ts[0]]
+
+
+def test_power_of_two_picks_the_lighter_of_two():
+    light, heavy = targets(2)
+    heavy.load.begin(10, 10)
+    p2 = PowerOfTwo(rng=random.Random(0))
+    assert all(p2.choose([light, heavy], shape(20), {}) is light for _ in range(20))
+    assert all(p2.choose([heavy, light], shape(20), {}) is light for _ in range(20))
+    assert p2.choose([heavy], shape(20), {}) is heavy
+
+
+def test_power_of_two_never_picks_the_heaviest_of_three():
+    ts = targets(3)
+    ts[0].load.begin(10, 10)
+    ts[0].load.begin(10, 10)
+    ts[1].load.begin(10, 10)
+    p2 = PowerOfTwo(rng=random.Random(1))
+    picks = collections.Counter(p2.choose(ts, shape(20), {}).key for _ in range(300))
+    assert ts[0].key not in picks
+    assert set(picks) == {ts[1].key, ts[2].key}  # ts[1] wins the draws that miss ts[2]
+    # ties on requests go to fewer prompt tokens
+    a, b = targets(2, worker_id=2)
+    a.load.begin(100, 0)
+    b.load.begin(10, 0)
+    assert all(p2.choose([a, b], shape(20), {}) is b for _ in range(20))
+
+
+def test_random_covers_all_targets():
+    ts = targets(4)
+    rnd = Random(rng=random.Random(7))
+    picks = collections.Counter(rnd.choose(ts, shape(20), {}).key for _ in range(400))
+    assert set(picks) == {t.key for t in ts}
+    assert min(picks.values()) > 50
+
+
+def test_make_policy():
+    assert isinstance(make_policy("cache_aware", decode_weight=4.0), CacheAware)
+    assert make_policy("cache_aware", decode_weight=4.0).decode_weight == 4.0
+    assert {type(make_policy(n)) for n in ("round_robin", "random", "power_of_two")} == {RoundRobin, Random,
+                                                                                           PowerOfTwo}
+    with pytest.raises(ValueError, match="unknown policy 'sticky'"):
+        make_policy("sticky")

@@ -1,0 +1,239 @@
+"""Router.route / finish on a hand-filled fleet: commit (load + index), prediction, stats,
+availability (health, draining, circuit), exclusion, models, and switching policies."""
+import random
+
+import pytest
+
+from apps.routing.digests import load_tokenizer
+from apps.routing.policies import CacheAware, RoundRobin
+from apps.routing.router import NoTarget, Router, RouterConfig
+from engine.digests import chain_digests
+from engine.server.openai_api import chat_prompt
+from engine.tiny import ensure_tiny_model
+from tests.routing.helpers import worker_view
+
+CHAT = {"messages": [{"role": "system", "content": "You answer questions about the Python language."},
+                     {"role": "user", "content": "What does the yield statement do inside a function body?"}]}
+
+
+@pytest.fixture(scope="module")
+def tiny_path() -> str:
+    return str(ensure_tiny_model())
+
+
+@pytest.fixture(scope="module")
+def chat_tokens(tiny_path) -> int:
+    return len(chat_prompt(CHAT, load_tokenizer(tiny_path)))
+
+
+def make_router(tiny_path, policy="cache_aware", workers=((1, "tiny", 2),)) -> Router:
+    router = Router(RouterConfig(policy=policy), rng=random.Random(0))
+    for worker_id, model, dp in workers:
+        router.fleet.put(worker_view(worker_id, model=model, dp_size=dp, tokenizer_path=tiny_path))
+    router.sync_capacity()
+    return router
+
+
+def test_route_commits_load_and_index_and_the_repeat_is_predicted(tiny_path, chat_tokens):
+    assert chat_tokens == 43  # 2 full blocks of 16; the fixture text is part of the numbers below
+    router = make_router(tiny_path, workers=((1, "tiny", 1),))
+    first = router.route(CHAT, True, "tiny")
+    key = first.target.key
+    assert key == "http://w1@0" and first.predicted_tokens == 0
+    assert (first.shape.prompt_tokens, len(first.shape.digests)) == (43, 2)
+    load = first.target.load
+    assert (load.requests, load.prompt_tokens, load.pending_prefill_tokens) == (1, 43, 43)
+    assert router.index.match(first.shape.digests) == {key: 2}
+    router.first_token(first)
+    assert load.pending_prefill_tokens == 0
+    router.finish(first, ok=True, usage={"prompt_tokens": 43, "prompt_tokens_details": {"cached_tokens": 0}})
+    assert load.idle
+
+    second = router.route(CHAT, True, "tiny")
+    assert second.target is first.target
+    assert second.predicted_tokens == 32  # (43 - 1) // 16 = 2 blocks
+    assert (load.requests, load.pending_prefill_tokens) == (1, 11)
+    router.finish(second, ok=True, usage={"prompt_tokens_details": {"cached_tokens": 32}})
+    stats = router.stats.targets[key].as_dict()
+    assert stats == {"requests": 2, "prompt_tokens": 86, "predicted_tokens": 32, "completed": 2, "errors": 0,
+                     "reported": 2, "cached_tokens": 32}
+    assert load.idle
+
+
+def test_a_long_cached_prompt_returns_home(tiny_path):
+    router = make_router(tiny_path)
+    body = {"prompt": [(11 * i) % 4000 for i in range(600)]}  # 37 full blocks
+    homes = set()
+    for turn in range(4):
+        routed = router.route(body, False, None)
+        assert routed.predicted_tokens == (0 if turn == 0 else 592)  # (600 - 1) // 16 = 37 blocks
+        homes.add(routed.target.key)
+        router.finish(routed, ok=True)
+    assert len(homes) == 1
+    other = next(t for t in router.fleet.all_targets() if t.key not in homes)
+    assert other.load.dispatched == 0 and router.index.size(other.key) == 0
+
+
+def test_finish_is_idempotent_and_records_errors(tiny_path):
+    router = make_router(tiny_path)
+    routed = router.route({"prompt": "hello there"}, False, None)
+    router.finish(routed, ok=False)
+    router.finish(routed, ok=False)
+    router.finish(routed, ok=True, usage={"prompt_tokens_details": {"cached_tokens": 5}})
+    stats = router.stats.targets[routed.target.key]
+    assert (stats.requests, stats.completed, stats.errors, stats.reported, stats.cached_tokens) == (1, 0, 1, 0, 0)
+    assert routed.finished and routed.target.load.idle
+
+
+def test_finish_without_usage_counts_completion_only(tiny_path):
+    router = make_router(tiny_path)
+    routed = router.route({"prompt": "hello there"}, False, None)
+    router.finish(routed, ok=True)
+    stats = router.stats.targets[routed.target.key]
+    assert (stats.completed, stats.reported, stats.errors) == (1, 0, 0)
+
+
+def test_a_successful_finish_closes_a_half_open_circuit(tiny_path):
+    router = make_router(tiny_path, workers=((1, "tiny", 1),))
+    target = router.fleet.all_targets()[0]
+    target.breaker.failure_threshold, target.breaker.open_s, target.breaker.success_threshold = 1, 0.0, 1
+    target.breaker.record_failure()
+    assert target.breaker.state == "half_open"
+    router.finish(router.route({"prompt": "x"}, False, None), ok=True)
+    assert target.breaker.state == "closed"
+
+
+def test_empty_prompt_is_not_predicted_negative(tiny_path):
+    """The engine answers 400 to an empty prompt, but the router routes (and counts) it first."""
+    router = make_router(tiny_path)
+    routed = router.route({"prompt": ""}, False, None)
+    assert routed.shape.prompt_tokens == 0
+    assert routed.predicted_tokens == 0
+    assert routed.ticket.prefill_tokens == 0
+    assert router.stats.targets[routed.target.key].predicted_tokens == 0
+
+
+def unavailable(router, how: str) -> None:
+    for view in router.fleet.workers.values():
+        if how == "unhealthy":
+            view.healthy = False
+        elif how == "draining":
+            view.draining = True
+    if how == "circuit":
+        for target in router.fleet.all_targets():
+            for _ in range(target.breaker.failure_threshold):
+                target.breaker.record_failure()
+            assert target.breaker.state == "open"
+
+
+@pytest.mark.parametrize("how", ["unhealthy", "draining", "circuit"])
+def test_no_target_when_every_target_is_unavailable(tiny_path, how):
+    router = make_router(tiny_path)
+    unavailable(router, how)
+    with pytest.raises(NoTarget, match="no available worker serves model 'tiny'"):
+        router.route(CHAT, True, "tiny")
+    with pytest.raises(NoTarget, match="no available worker"):
+        router.route(CHAT, True, None)
+    assert all(t.load.idle and t.load.dispatched == 0 for t in router.fleet.all_targets())
+    assert router.index.ranks == {}
+
+
+def test_one_open_circuit_sends_everything_to_the_other_rank(tiny_path):
+    router = make_router(tiny_path)
+    bad, good = router.fleet.all_targets()
+    for _ in range(bad.breaker.failure_threshold):
+        bad.breaker.record_failure()
+    for i in range(6):
+        routed = router.route({"prompt": f"request {i}"}, False, None)
+        assert routed.target is good
+        router.finish(routed, ok=True)
+
+
+def test_exclude_skips_targets(tiny_path):
+    router = make_router(tiny_path)
+    t0, t1 = router.fleet.all_targets()
+    first = router.route(CHAT, True, None)
+    router.finish(first, ok=True)
+    home = first.target
+    other = t1 if home is t0 else t0
+    retry = router.route(CHAT, True, None, exclude={home.key})  # the retry goes elsewhere, cache or not
+    assert retry.target is other and retry.predicted_tokens == 0
+    with pytest.raises(NoTarget):
+        router.route(CHAT, True, None, exclude={t0.key, t1.key})
+
+
+def test_model_filtering(tiny_path):
+    router = make_router(tiny_path, workers=((1, "alpha", 2), (2, "beta", 1)))
+    for _ in range(5):
+        routed = router.route({"prompt": "some text"}, False, "beta")
+        assert routed.target.key == "http://w2@0"
+        router.finish(routed, ok=True)
+    keys = set()
+    for _ in range(6):
+        routed = router.route({"prompt": "other text"}, False, "alpha")
+        keys.add(routed.target.key)
+        router.finish(routed, ok=True)
+    assert keys <= {"http://w1@0", "http://w1@1"} and keys
+    with pytest.raises(NoTarget, match="'gamma'"):
+        router.route({"prompt": "x"}, False, "gamma")
+    assert router.fleet.models() == ["alpha", "beta"]
+
+
+def test_an_unknown_model_name_is_served_when_only_one_model_is(tiny_path):
+    router = make_router(tiny_path)
+    routed = router.route({"prompt": "x"}, False, "gpt-4o")
+    assert routed.target.worker.model == "tiny"
+
+
+def test_set_policy_switches_policy(tiny_path):
+    router = make_router(tiny_path)
+    assert isinstance(router.policy, CacheAware)
+    router.set_policy("round_robin")
+    assert isinstance(router.policy, RoundRobin) and router.config.policy == "round_robin"
+    keys = []
+    for _ in range(4):  # the same cached request alternates: round robin ignores the index
+        routed = router.route(CHAT, True, None)
+        keys.append(routed.target.key)
+        router.finish(routed, ok=True)
+    assert keys == ["http://w1@0", "http://w1@1", "http://w1@0", "http://w1@1"]
+    with pytest.raises(ValueError):
+        router.set_policy("nope")
+    assert isinstance(router.policy, RoundRobin) and router.config.policy == "round_robin"
+    router.set_policy("cache_aware")
+    assert isinstance(router.policy, CacheAware)
+    routed = router.route(CHAT, True, None)
+    assert routed.predicted_tokens == 32  # the index kept learning under round robin
+
+
+def test_sync_capacity_bounds_the_index(tiny_path):
+    router = make_router(tiny_path, workers=((1, "tiny", 1),))
+    router.fleet.workers[1].capacity_blocks = 1
+    router.sync_capacity()
+    routed = router.route(CHAT, True, None)
+    assert router.index.size(routed.target.key) == 1
+
+
+def test_foreign_worker_routes_on_text_digests(tiny_path):
+    router = Router(RouterConfig(dp_aware=False), rng=random.Random(0))
+    router.fleet.put(worker_view(1, dp_size=1, dp_aware=False, block_size=None, tokenizer_path=None))
+    text = "q" * 200
+    first = router.route({"prompt": text}, False, None)
+    assert first.target.key == "http://w1" and first.target.rank is None
+    assert (len(first.shape.digests), first.shape.block_tokens, first.shape.prompt_tokens) == (3, 16, 50)
+    router.finish(first, ok=True)
+    assert router.route({"prompt": text}, False, None).predicted_tokens == 48
+
+
+def test_index_entries_are_in_each_targets_own_block_size(tiny_path):
+    """Two workers serve the same model with different block sizes. Whatever target a request
+    lands on, the digests recorded for it must be the ones its engine computes (its own block
+    size), or its later hits are never found and its load is mis-predicted."""
+    router = Router(RouterConfig(), rng=random.Random(0))
+    router.fleet.put(worker_view(1, dp_size=1, block_size=16, tokenizer_path=tiny_path))
+    router.fleet.put(worker_view(2, dp_size=1, block_size=4, tokenizer_path=tiny_path))
+    ids = chat_prompt(CHAT, load_tokenizer(tiny_path))
+    router.fleet.targets[1][0].load.begin(1000, 1000)  # busy: the request goes to worker 2
+    routed = router.route(CHAT, True, None)
+    assert routed.target.key == "http://w2@0"
+    assert routed.shape.block_tokens == 4
+    assert router.index.match(chain_digests(ids, 4), ["http://w2@0"]) == {"http://w2@0": len(ids) // 4}

@@ -1,0 +1,541 @@
+"""The router's failure paths, end to end with real processes: ``runrouter`` under daphne in front
+of real engines (``runengine``) and of stand-ins that misbehave on purpose (tests/support/standin.py).
+
+Every path must release the router's load (its /metrics gauges per target return to 0): normal
+streams, upstream 4xx/5xx, upstream timeouts, client disconnects mid-stream and before the first
+byte. Retries happen only while nothing has reached the client. A worker that dies is taken out by
+the health loop and put back when it returns; a worker named before it is up is discovered.
+
+Two routers (cache_aware, and round_robin for the worker-down test, which must know that requests
+reach both engines) and two engines serve the whole module (an engine takes ~20 s to start). Each
+stand-in test registers its own stand-in through ``POST /workers`` under a model name of its own,
+so its requests reach only that stand-in.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.support import procs
+from tests.support.procs import ServerProcess, free_port, wait_for
+from tests.support.standin import Behaviour, StandIn
+
+pytestmark = pytest.mark.slow
+
+HEALTH_INTERVAL_S, FAILURE_THRESHOLD = 1, 2
+REQUEST_TIMEOUT_S = 6.0
+LOAD_GAUGES = ("dpmesh_router_inflight_requests", "dpmesh_router_inflight_prompt_tokens",
+               "dpmesh_router_pending_prefill_tokens")
+
+
+# ----- processes ---------------------------------------------------------------------------------
+def router_cmd(port: int, worker_urls: list[str], policy: str) -> list[str]:
+    return [sys.executable, "manage.py", "runrouter", "--worker-urls", *worker_urls, "--dp-aware",
+            "--policy", policy, "--port", str(port), "--health-check-interval-secs", str(HEALTH_INTERVAL_S),
+            "--health-failure-threshold", str(FAILURE_THRESHOLD), "--health-success-threshold", "1",
+            "--request-timeout-secs", str(REQUEST_TIMEOUT_S)]
+
+
+def start_router(tmp: Path, worker_urls: list[str], name: str, policy: str = "cache_aware") -> ServerProcess:
+    """A router with its own SQLite database; ready when it answers /metrics (its /health is 503
+    until some worker is up)."""
+    port = free_port()
+    env = {"DATABASE_URL": f"sqlite:///{tmp / (name + '.sqlite3')}"}
+    return procs.start(router_cmd(port, worker_urls, policy), f"http://127.0.0.1:{port}", tmp / f"{name}.log",
+                       health="/metrics", timeout=60, env=env)
+
+
+def start_engine_on(tmp: Path, port: int, dp_size: int, name: str) -> ServerProcess:
+    cmd = [sys.executable, "manage.py", "runengine", "--port", str(port), "--dp-size", str(dp_size),
+           "--num-kv-blocks", "128", "--threads-per-rank", "1"]  # the CPUs are shared: never oversubscribe
+    return procs.start(cmd, f"http://127.0.0.1:{port}", tmp / f"{name}.log", timeout=240)
+
+
+def kill_hard(server: ServerProcess) -> None:
+    """SIGKILL the engine's whole process group (front and rank processes): no goodbye."""
+    os.killpg(server.proc.pid, signal.SIGKILL)
+    server.proc.wait(10)
+
+
+@dataclass
+class Cluster:
+    tmp: Path
+    router: ServerProcess  # cache_aware
+    failover: ServerProcess  # round_robin: the worker-down test needs to know requests reach both engines
+    engine: ServerProcess  # dp 2, stays up
+    spare: ServerProcess  # dp 1, killed and restarted by the worker-down test
+    spare_port: int
+    health_before_engines: list[tuple[int, dict]]
+
+    @property
+    def url(self) -> str:
+        return self.router.url
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """The routers start naming two engines that are not up yet (as ``serve`` does); then both
+    engines start, in parallel."""
+    tmp = tmp_path_factory.mktemp("router_failures")
+    engine_port, spare_port = free_port(), free_port()
+    urls = [f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{spare_port}"]
+    routers, engines, cluster = [], [], None
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            routers += _results([pool.submit(start_router, tmp, urls, "router", "cache_aware"),
+                                 pool.submit(start_router, tmp, urls, "failover", "round_robin")])
+        before = []
+        for router in routers:
+            r = httpx.get(router.url + "/health", timeout=5)
+            before.append((r.status_code, r.json()))
+        with ThreadPoolExecutor(2) as pool:
+            engines += _results([pool.submit(start_engine_on, tmp, engine_port, 2, "engine"),
+                                 pool.submit(start_engine_on, tmp, spare_port, 1, "spare")])
+        cluster = Cluster(tmp, *routers, *engines, spare_port, before)
+        yield cluster
+    finally:
+        for server in routers:
+            server.stop()
+        # an engine takes seconds to shut down cleanly, and nothing here needs it to
+        for server in engines + ([cluster.spare] if cluster else []):
+            if server.proc.poll() is None:
+                kill_hard(server)
+
+
+def _results(jobs) -> list:
+    """The results of ``jobs`` in order; the first failure is raised after all have finished,
+    so the caller's cleanup sees every process that did start."""
+    done = [job.result() for job in jobs if job.exception() is None]
+    for job in jobs:
+        job.result()
+    return done
+
+
+_models = itertools.count()
+
+
+@pytest.fixture
+def standin(cluster):
+    """Register a fresh stand-in (``StandIn(dp_size=…)``) with the module's router under a model
+    name of its own; removed and stopped after the test."""
+    made = []
+
+    def make(dp_size: int = 2, default: Behaviour | None = None) -> StandIn:
+        s = StandIn(dp_size=dp_size, model=f"standin-{next(_models)}", default=default).start()
+        r = httpx.post(cluster.url + "/workers", json={"url": s.url}, timeout=10)
+        assert r.status_code == 201, r.text
+        made.append((s, r.json()["id"]))
+        return s
+
+    yield make
+    for s, worker_id in made:
+        httpx.delete(f"{cluster.url}/workers/{worker_id}", timeout=10)
+        s.stop()
+
+
+# ----- reading the router ------------------------------------------------------------------------
+def prom(url: str) -> list[tuple[str, dict, float]]:
+    """Samples of a Prometheus text page: (name, labels, value)."""
+    samples = []
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        head, value = line.rsplit(" ", 1)
+        name, _, rest = head.partition("{")
+        labels = dict(part.split("=", 1) for part in rest.rstrip("}").split(",") if part) if rest else {}
+        samples.append((name, {k: v.strip('"') for k, v in labels.items()}, float(value)))
+    return samples
+
+
+def router_load(url: str) -> dict[str, dict[str, float]]:
+    """{target: {gauge: value}} for the three load gauges."""
+    load: dict[str, dict[str, float]] = {}
+    for name, labels, value in prom(url):
+        if name in LOAD_GAUGES:
+            load.setdefault(labels["target"], {})[name] = value
+    return load
+
+
+def counter(url: str, name: str, target: str | None = None) -> float:
+    return sum(v for n, labels, v in prom(url) if n == name and (target is None or labels.get("target") == target))
+
+
+def busy_targets(url: str) -> dict:
+    return {t: g for t, g in router_load(url).items() if any(g.values())}
+
+
+def assert_idle(url: str, timeout: float = 5.0) -> None:
+    """Every target's in-flight requests, prompt tokens and pending prefill are back to 0."""
+    if not wait_for(lambda: not busy_targets(url), timeout=timeout):
+        pytest.fail(f"router load not released: {busy_targets(url)}")
+
+
+def healthy_targets(url: str) -> list[str]:
+    return httpx.get(url + "/health", timeout=5).json()["targets"]
+
+
+def sse_events(text: str) -> list[str]:
+    """The ``data:`` payloads of an SSE body (each event ends with a blank line)."""
+    assert text.endswith("\n\n"), f"SSE body does not end with a blank line: {text[-80:]!r}"
+    return [e.removeprefix("data: ") for e in text.split("\n\n") if e]
+
+
+def texts(events: list[str]) -> list[str]:
+    out = []
+    for e in events:
+        if e == "[DONE]":
+            continue
+        for choice in json.loads(e).get("choices") or []:
+            out.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
+    return [t for t in out if t]
+
+
+def body_for(model: str, *, chat: bool, stream: bool, max_tokens: int = 4, prompt: str = "hello there",
+             usage: bool | None = None) -> dict:
+    body = {"model": model, "max_tokens": max_tokens, "temperature": 0, "stream": stream}
+    if chat:
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    if usage is not None:
+        body["stream_options"] = {"include_usage": usage}
+    return body
+
+
+def path_for(body: dict) -> str:
+    return "/v1/chat/completions" if "messages" in body else "/v1/completions"
+
+
+def engine_of(cluster: Cluster, target: str) -> tuple[ServerProcess, int]:
+    url, rank = target.rsplit("@", 1)
+    server = cluster.engine if url == cluster.engine.url else cluster.spare
+    assert server.url == url, (target, cluster.engine.url, cluster.spare.url)
+    return server, int(rank)
+
+
+# ----- 1. load returns to zero on every path ------------------------------------------------------
+def test_normal_streams_and_non_streams_release_load(cluster, standin):
+    s = standin(dp_size=2)
+    with httpx.Client(base_url=cluster.url, timeout=30) as client:
+        for model in ("tiny", s.model):
+            for chat, stream, usage in itertools.product((False, True), (False, True), (None, True)):
+                if usage and not stream:
+                    continue
+                body = body_for(model, chat=chat, stream=stream, usage=usage)
+                r = client.post(path_for(body), json=body)
+                assert r.status_code == 200, r.text
+                assert r.headers["x-routed-target"].startswith(s.url) == (model == s.model)
+                if stream:
+                    events = sse_events(r.text)
+                    assert events[-1] == "[DONE]" and texts(events), events
+                    # the router always asks for usage (to learn cached tokens); the client sees it
+                    # only when it asked too
+                    usage_events = [e for e in events[:-1] if json.loads(e).get("usage")]
+                    assert len(usage_events) == (1 if usage else 0), events
+                else:
+                    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 0
+    assert_idle(cluster.url)
+
+
+def test_upstream_4xx_is_passed_through_and_releases_load(cluster, standin):
+    s = standin(dp_size=2, default=Behaviour(status=400))
+    with httpx.Client(base_url=cluster.url, timeout=30) as client:
+        for stream in (False, True):
+            before = len(s.received)
+            r = client.post("/v1/completions", json=body_for(s.model, chat=False, stream=stream))
+            assert r.status_code == 400
+            assert r.json() == {"error": {"message": "stand-in says 400", "type": "invalid_request_error",
+                                          "param": None, "code": 400}}
+            assert len(s.received) == before + 1, "a 4xx must not be retried"
+        # the engine's own 400 (a rank out of range is not the router's business: it overwrites the
+        # rank, so use a bad max_tokens) comes back with the engine's body
+        for stream in (False, True):
+            r = client.post("/v1/chat/completions", json=body_for("tiny", chat=True, stream=stream, max_tokens=-3))
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["param"] == "max_tokens"
+    assert_idle(cluster.url)
+
+
+def test_upstream_5xx_is_retried_on_every_target_then_returned(cluster, standin):
+    s = standin(dp_size=2, default=Behaviour(status=500))
+    retries = counter(cluster.url, "dpmesh_router_retries_total")
+    for stream in (False, True):
+        before = len(s.received)
+        r = httpx.post(cluster.url + "/v1/completions", json=body_for(s.model, chat=False, stream=stream), timeout=30)
+        assert r.status_code == 500, r.text
+        assert r.json()["error"]["code"] == 500
+        tried = s.received[before:]
+        assert sorted(x.rank for x in tried) == [0, 1], "each target is tried once"
+    assert counter(cluster.url, "dpmesh_router_retries_total") >= retries + 2
+    assert_idle(cluster.url)
+
+
+def test_upstream_timeout_answers_504_and_a_stalled_stream_ends_with_an_error(cluster, standin):
+    hung = standin(dp_size=1, default=Behaviour.hang())
+    stalled = standin(dp_size=1, default=Behaviour(tokens=3, token_interval_s=REQUEST_TIMEOUT_S + 3))
+
+    def hang():
+        t0 = time.monotonic()
+        r = httpx.post(cluster.url + "/v1/completions", json=body_for(hung.model, chat=False, stream=False),
+                       timeout=30)
+        return r, time.monotonic() - t0
+
+    def stall():
+        r = httpx.post(cluster.url + "/v1/completions", json=body_for(stalled.model, chat=False, stream=True),
+                       timeout=30)
+        return r
+
+    with ThreadPoolExecutor(2) as pool:  # both wait out the router's timeout together
+        hang_job, stall_job = pool.submit(hang), pool.submit(stall)
+        (r, elapsed), streamed = hang_job.result(), stall_job.result()
+    assert r.status_code == 504, r.text
+    assert REQUEST_TIMEOUT_S - 0.5 < elapsed < REQUEST_TIMEOUT_S + 3
+    assert wait_for(lambda: hung.received and hung.received[0].disconnected, timeout=3), \
+        "the router must close the upstream connection it gave up on"
+    assert streamed.status_code == 200
+    events = sse_events(streamed.text)
+    assert texts(events) == ["tok0 "]
+    assert json.loads(events[-2])["error"]["code"] == 502 and events[-1] == "[DONE]", events
+    assert len(stalled.received) == 1, "a stream that has started is never retried"
+    assert_idle(cluster.url)
+
+
+def test_client_disconnect_mid_stream_aborts_the_engine_request(cluster):
+    body = body_for("tiny", chat=True, stream=True, max_tokens=1500, prompt="tell me a long story " * 8)
+    with httpx.Client(base_url=cluster.url, timeout=30) as client:
+        with client.stream("POST", "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            server, rank = engine_of(cluster, r.headers["x-routed-target"])
+            before = procs.metrics(server.url)
+            lines = r.iter_lines()  # (closing this iterator would close the connection)
+            assert sum(next(lines).startswith("data: ") for _ in range(10)) == 5
+            # the ranks publish their stats every 0.25 s
+            assert wait_for(lambda: procs.metrics(server.url)[("kv_blocks_used", rank)] > 0, timeout=2)
+            assert busy_targets(cluster.url)
+        # leaving the block closes the connection: the client is gone mid-stream
+
+    def aborted():
+        m = procs.metrics(server.url)
+        return m[("request_aborts", rank)] == before[("request_aborts", rank)] + 1 and m[("kv_blocks_used", rank)] == 0
+
+    assert wait_for(aborted, timeout=5), procs.metrics(server.url)
+    assert procs.metrics(server.url)[("requests", rank)] == before[("requests", rank)], "it must not have finished"
+    assert_idle(cluster.url)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_client_disconnect_before_the_first_byte_releases_load(cluster, standin, stream):
+    s = standin(dp_size=1, default=Behaviour(head_delay_s=REQUEST_TIMEOUT_S - 1))
+    t0 = time.monotonic()
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(cluster.url + "/v1/completions", json=body_for(s.model, chat=False, stream=stream), timeout=0.5)
+    assert_idle(cluster.url, timeout=1.5)
+    assert time.monotonic() - t0 < REQUEST_TIMEOUT_S - 1, "load must be released when the client leaves, " \
+                                                          "not when the upstream answers"
+    assert wait_for(lambda: s.received[0].disconnected, timeout=2), "the upstream request must be abandoned too"
+    assert len(s.received) == 1
+
+
+# ----- 2. retries ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("stream", [False, True])
+def test_503_is_retried_on_another_target(cluster, standin, stream):
+    s = standin(dp_size=2)
+    s.script.append(Behaviour(status=503))  # the first attempt, wherever it goes
+    retries = counter(cluster.url, "dpmesh_router_retries_total")
+    r = httpx.post(cluster.url + "/v1/completions", json=body_for(s.model, chat=False, stream=stream), timeout=30)
+    assert r.status_code == 200, r.text
+    first, second = s.received
+    assert first.rank != second.rank
+    assert r.headers["x-data-parallel-rank"] == str(second.rank)
+    if stream:
+        assert sse_events(r.text)[-1] == "[DONE]"
+    assert counter(cluster.url, "dpmesh_router_retries_total") == retries + 1
+    assert_idle(cluster.url)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_no_retry_after_the_first_byte(cluster, standin, chat):
+    s = standin(dp_size=2, default=Behaviour(tokens=4, drop_after=2))
+    retries = counter(cluster.url, "dpmesh_router_retries_total")
+    body = body_for(s.model, chat=chat, stream=True)
+    r = httpx.post(cluster.url + path_for(body), json=body, timeout=30)
+    assert r.status_code == 200
+    events = sse_events(r.text)
+    assert texts(events) == ["tok0 ", "tok1 "], "the output reached the client once, and only once"
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == 502 and "mid-stream" in error["message"]
+    assert events[-1] == "[DONE]" and len(events) == 4
+    assert len(s.received) == 1
+    assert counter(cluster.url, "dpmesh_router_retries_total") == retries
+    assert_idle(cluster.url)
+
+
+# ----- 4. a worker that is not up yet is discovered -------------------------------------------------
+def test_workers_named_before_they_are_up_are_discovered(cluster):
+    expected = sorted([f"{cluster.engine.url}@0", f"{cluster.engine.url}@1", f"{cluster.spare.url}@0"])
+    for router, (status, body) in zip((cluster.router, cluster.failover), cluster.health_before_engines):
+        assert (status, body["targets"]) == (503, [])
+        assert wait_for(lambda: sorted(healthy_targets(router.url)) == expected, timeout=5), healthy_targets(router.url)
+        workers = httpx.get(router.url + "/workers", timeout=5).json()["workers"]
+        assert sorted((w["url"], w["dp_size"], w["health"]) for w in workers if "standin" not in w["model"]) == \
+            sorted([(cluster.engine.url, 2, "healthy"), (cluster.spare.url, 1, "healthy")])
+
+
+def test_a_late_worker_turns_health_to_200(tmp_path):
+    port = free_port()
+    with start_router(tmp_path, [f"http://127.0.0.1:{port}"], name="late") as router:
+        r = httpx.get(router.url + "/health", timeout=5)
+        assert r.status_code == 503 and r.json()["targets"] == []
+        with StandIn(dp_size=2, model="late").start(port=port):
+            t0 = time.monotonic()
+            assert wait_for(lambda: httpx.get(router.url + "/health", timeout=5).status_code == 200, timeout=5)
+            assert time.monotonic() - t0 < 3, "the health loop retries undiscovered workers every 0.5 s"
+            assert sorted(healthy_targets(router.url)) == [f"http://127.0.0.1:{port}@0", f"http://127.0.0.1:{port}@1"]
+            r = httpx.post(router.url + "/v1/completions", json=body_for("late", chat=False, stream=False), timeout=10)
+            assert r.status_code == 200, r.text
+
+
+# ----- 5. the openai client through the router ------------------------------------------------------
+@pytest.fixture
+def oai(cluster):
+    with openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=60) as client:
+        yield client
+
+
+def test_openai_client_non_streaming_usage(oai, cluster):
+    prompt = "the quick brown fox jumps over the lazy dog and keeps running " * 6  # several full blocks
+    chat = [oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt}],
+                                        max_tokens=4, temperature=0) for _ in range(2)]
+    text = [oai.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0) for _ in range(2)]
+    for response in chat + text:
+        usage = response.usage
+        assert 0 <= usage.prompt_tokens_details.cached_tokens < usage.prompt_tokens, usage
+        assert usage.completion_tokens == 4
+    assert_idle(cluster.url)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_openai_client_streaming_usage_only_when_asked(oai, cluster, chat):
+    def stream(**extra):
+        if chat:
+            return list(oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi there"}],
+                                                    max_tokens=4, temperature=0, stream=True, **extra))
+        return list(oai.completions.create(model="tiny", prompt="hi there", max_tokens=4, temperature=0,
+                                           stream=True, **extra))
+
+    with_usage = stream(stream_options={"include_usage": True})
+    assert with_usage[-1].usage is not None and not with_usage[-1].choices
+    assert with_usage[-1].usage.prompt_tokens_details.cached_tokens >= 0
+    assert all(c.usage is None for c in with_usage[:-1])
+    without = stream()
+    assert without and all(c.usage is None for c in without), "the router must strip the usage it asked for"
+    assert all(c.choices for c in without)
+    assert_idle(cluster.url)
+
+
+# ----- 3. a worker goes down and comes back (last: it restarts the spare engine) -------------------
+def test_dead_worker_is_taken_out_requests_go_elsewhere_and_it_comes_back(cluster):
+    url = cluster.failover.url  # round robin: within three requests, one reaches the spare
+    spare_target = f"{cluster.spare.url}@0"
+    retries = counter(url, "dpmesh_router_retries_total")
+    stop_reading = threading.Event()
+
+    def run_stream(i: int, out: dict, started: threading.Event):
+        body = body_for("tiny", chat=False, stream=True, max_tokens=400, prompt=f"stream {i} goes on and on")
+        try:
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+                out["target"] = r.headers.get("x-routed-target")
+                buffer = ""
+                for text in r.iter_text():
+                    buffer += text
+                    while "\n\n" in buffer:
+                        event, buffer = buffer.split("\n\n", 1)
+                        out["events"].append(event.removeprefix("data: "))
+                        started.set()
+                    if stop_reading.is_set() and out["target"] != spare_target:
+                        break  # it was fine; the client leaves (and the router must release it)
+        except httpx.HTTPError as exc:
+            out["error"] = exc
+        started.set()
+
+    def run_plain(i: int):
+        body = body_for("tiny", chat=False, stream=False, max_tokens=48, prompt=f"plain {i} goes on and on")
+        return httpx.post(url + "/v1/completions", json=body, timeout=30)
+
+    def dispatched() -> float:
+        return counter(url, "dpmesh_router_requests_total")
+
+    streams, plains = [], []
+    with ThreadPoolExecutor(12) as pool:
+        # whatever the policy, keep sending until the spare has a stream that has started...
+        while not any(out["target"] == spare_target for out in streams):
+            assert len(streams) < 6, f"no stream reached the spare: {[o['target'] for o in streams]}"
+            out, started = {"events": [], "target": None, "error": None}, threading.Event()
+            streams.append(out)
+            pool.submit(run_stream, len(streams), out, started)
+            assert started.wait(20)
+        streams_on_spare = sum(out["target"] == spare_target for out in streams)
+        # ... and a plain request that has sent nothing back yet (the answer comes whole, at the end)
+        while router_load(url)[spare_target]["dpmesh_router_inflight_requests"] <= streams_on_spare:
+            assert len(plains) < 6, "no plain request reached the spare"
+            before = dispatched()
+            plains.append(pool.submit(run_plain, len(plains)))
+            assert wait_for(lambda: dispatched() > before, timeout=5)
+        killed_at = time.monotonic()
+        kill_hard(cluster.spare)
+        # taken out within interval x threshold (plus a probe round's slack)
+        limit = HEALTH_INTERVAL_S * FAILURE_THRESHOLD + 1
+        assert wait_for(lambda: spare_target not in healthy_targets(url), timeout=limit + 2)
+        taken_out_after = time.monotonic() - killed_at
+        plain_results = [job.result() for job in plains]
+        stop_reading.set()
+
+    # the plain requests had sent nothing to the client: retried on the engine that lives
+    for r in plain_results:
+        assert r.status_code == 200, r.text
+        assert r.headers["x-routed-target"].startswith(cluster.engine.url)
+    assert counter(url, "dpmesh_router_retries_total") >= retries + 1
+    # the streams on the spare had: they end with an error event and [DONE], never a second answer
+    for out in streams:
+        events = out["events"]
+        assert out["error"] is None, out["error"]
+        if out["target"] == spare_target:
+            assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == 502, events[-3:]
+            assert all('"error"' not in e for e in events[:-2])
+        else:
+            assert all('"error"' not in e for e in events), "streams elsewhere are unaffected"
+    assert taken_out_after < limit, f"taken out after {taken_out_after:.1f} s"
+    assert wait_for(lambda: spare_target not in healthy_targets(cluster.url), timeout=2), "the other router too"
+    for i in range(4):
+        body = body_for("tiny", chat=bool(i % 2), stream=bool(i // 2), prompt=f"after the kill {i}")
+        r = httpx.post(url + path_for(body), json=body, timeout=30)
+        assert r.status_code == 200 and r.headers["x-routed-target"].startswith(cluster.engine.url), r.text
+    assert_idle(url)
+
+    # it comes back on the same port: put back within a health round or two
+    cluster.spare = start_engine_on(cluster.tmp, cluster.spare_port, 1, "spare-restarted")
+    for router_url in (url, cluster.url):
+        assert wait_for(lambda: spare_target in healthy_targets(router_url), timeout=HEALTH_INTERVAL_S * 2 + 2)
+    worker = next(w for w in httpx.get(url + "/workers", timeout=5).json()["workers"]
+                  if w["url"] == cluster.spare.url)
+    assert worker["health"] == "healthy"
+    served_by_spare = False
+    for i in range(3):
+        r = httpx.post(url + "/v1/completions", json=body_for("tiny", chat=False, stream=False,
+                                                                      prompt=f"welcome back {i}"), timeout=30)
+        assert r.status_code == 200, r.text
+        served_by_spare |= r.headers["x-routed-target"] == spare_target
+    assert served_by_spare
+    assert_idle(url)
