@@ -44,13 +44,17 @@ class PrefixIndex:
         return matched
 
     def shared_blocks(self, digests: list[int]) -> int:
-        """How many leading blocks of ``digests`` are a prefix that several requests branch from
-        (up to and including the deepest branching block)."""
+        """How many leading blocks of ``digests`` are a prefix several requests branch from: up to
+        the deepest known branching block, or to where this request itself leaves a known chain
+        (its next block differs from the one that followed there before)."""
         depth = 0
         for i, digest in enumerate(digests):
             if digest not in self.owners:
                 break
             if digest in self.branching:
+                depth = i + 1
+            child = self.first_child.get(digest)
+            if child is not None and i + 1 < len(digests) and child != digests[i + 1]:
                 depth = i + 1
         return depth
 

@@ -161,7 +161,8 @@ def test_shared_blocks_end_at_the_deepest_branch_point(index):
     index.insert("b", [1, 2, 7])  # a second request branches after block 1
     assert index.shared_blocks([1, 2, 3, 4]) == 2
     assert index.shared_blocks([1, 2, 7]) == 2
-    assert index.shared_blocks([1, 9]) == 0  # block 0 has had one child so far
+    assert index.shared_blocks([1, 9]) == 1  # this request itself branches off after block 0
+    assert index.shared_blocks([1]) == 0  # ends inside the chain: a continuation, not a branch
     index.insert("a", [1, 5])  # another branch, at block 0
     assert index.shared_blocks([1, 9]) == 1
     assert index.shared_blocks([1, 2, 3]) == 2

@@ -21,15 +21,21 @@ DP = 4
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("hits")
-    with start_engine(tmp, "--dp-size", str(DP), "--num-kv-blocks", "1024") as engine:
-        port = free_port()
-        cmd = [sys.executable, "manage.py", "runrouter", "--worker-urls", engine.url, "--dp-aware",
-               "--policy", "cache_aware", "--port", str(port)]
-        with start(cmd, f"http://127.0.0.1:{port}", tmp / "router.log",
-                   env={"DATABASE_URL": f"sqlite:///{tmp}/router.sqlite3"}) as router:
-            yield engine, router
+def engine(tmp_path_factory):
+    with start_engine(tmp_path_factory.mktemp("hits"), "--dp-size", str(DP), "--num-kv-blocks", "1024") as engine:
+        yield engine
+
+
+@pytest.fixture
+def fleet(engine, tmp_path):
+    """A fresh router per workload (each workload is its own experiment; the engine is shared and
+    every workload uses prefixes it has never seen)."""
+    port = free_port()
+    cmd = [sys.executable, "manage.py", "runrouter", "--worker-urls", engine.url, "--dp-aware",
+           "--policy", "cache_aware", "--port", str(port)]
+    with start(cmd, f"http://127.0.0.1:{port}", tmp_path / "router.log",
+               env={"DATABASE_URL": f"sqlite:///{tmp_path}/router.sqlite3"}) as router:
+        yield engine, router
 
 
 def tokenizer():

@@ -1,0 +1,208 @@
+"""Router overhead: what a request pays for going through a router, with no model behind it.
+
+A zero-work stand-in upstream (tests/support/standin.py: fixed small JSON, instantly; dp_size 4)
+is measured directly, through our router (``runrouter --dp-aware``, cache_aware and round_robin)
+and through SGLang's router (``sglang-router launch --dp-aware --policy round_robin``), with ``wrk``
+sending non-streaming ``/v1/completions`` at a few connection counts. Reported: p50 / p99 latency
+and requests/s; goals: <= 1 ms added p50 over direct, >= 0.5x sglang-router's requests/s.
+
+    python bench/router_overhead.py [--duration 10] [--connections 1 32] [--json out.json]
+        [--tokenizer-path DIR]  # also run our cache_aware router tokenizing every prompt (as it
+                                # does for our own engines; the stand-in alone gets text digests)
+        [--profile DIR]         # record py-spy flame graphs of our router under the largest load
+
+Only one server under test runs at a time (the stand-in runs throughout). Needs ``wrk`` on PATH;
+``--profile`` needs ``py-spy``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL = "standin"
+PROMPT = ("You are a helpful assistant. Summarise the following notes in two sentences. " * 13)[:1000]
+
+WRK_SCRIPT = """
+wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+wrk.body = %(body)s
+
+function done(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format(
+    'WRK_JSON {"requests": %%d, "duration_us": %%d, "p50_us": %%d, "p90_us": %%d, "p99_us": %%d, ' ..
+    '"mean_us": %%.1f, "errors": %%d, "non_2xx": %%d}\\n',
+    summary.requests, summary.duration, latency:percentile(50), latency:percentile(90),
+    latency:percentile(99), latency.mean, e.connect + e.read + e.write + e.timeout, e.status))
+end
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 60.0) -> None:
+    """Until ``url`` answers 200 (for a router: it has discovered the stand-in)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args[:4]} exited with {proc.returncode}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} not ready after {timeout}s")
+
+
+@contextmanager
+def server(cmd: list[str], ready_url: str, log: Path, env: dict | None = None):
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, **(env or {})})
+    try:
+        wait_ready(ready_url, proc)
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def wrk(url: str, connections: int, duration: int, script: Path) -> dict:
+    cmd = ["wrk", "-t1", f"-c{connections}", f"-d{duration}s", "--timeout", "10s", "-s", str(script),
+           url + "/v1/completions"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    line = next(l for l in out.splitlines() if l.startswith("WRK_JSON "))
+    result = json.loads(line.removeprefix("WRK_JSON "))
+    result["rps"] = result["requests"] / (result["duration_us"] / 1e6)
+    return result
+
+
+def check_once(url: str) -> None:
+    r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 8}, timeout=10)
+    r.raise_for_status()
+    assert r.json()["choices"], r.text
+
+
+def measure(name: str, url: str, args, script: Path, results: list, profile_pid: int | None = None) -> None:
+    check_once(url)
+    wrk(url, 1, 2, script)  # warm-up: connections, the tokenizer/index paths, the JIT-less caches
+    for c in args.connections:
+        spy = None
+        if profile_pid and c == max(args.connections):
+            svg = Path(args.profile) / f"{name.replace(' ', '_')}.svg"
+            spy = subprocess.Popen(["py-spy", "record", "--pid", str(profile_pid), "--duration",
+                                    str(args.duration), "--rate", "200", "--nonblocking", "--output", str(svg)],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        r = wrk(url, c, args.duration, script)
+        if spy:
+            spy.wait(60)
+        r.update(target=name, connections=c)
+        results.append(r)
+        print(f"{name:28s} c={c:<3d} p50 {r['p50_us'] / 1000:7.2f} ms  p99 {r['p99_us'] / 1000:7.2f} ms  "
+              f"{r['rps']:8.0f} req/s  errors {r['errors']} non-2xx {r['non_2xx']}", flush=True)
+
+
+def run(args) -> list[dict]:
+    tmp = Path(tempfile.mkdtemp(prefix="router_overhead-"))
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+    script = tmp / "post.lua"
+    script.write_text(WRK_SCRIPT % {"body": json.dumps(json.dumps(body))})
+    results: list[dict] = []
+    standin_port = free_port()
+    standin_url = f"http://127.0.0.1:{standin_port}"
+    standin = [sys.executable, "-m", "tests.support.standin", "--port", str(standin_port), "--dp-size", "4",
+               "--model", MODEL]
+    with server(standin, standin_url + "/health", tmp / "standin.log", env={"PYTHONPATH": str(REPO)}):
+        measure("direct (stand-in)", standin_url, args, script, results)
+        for policy in args.policies:
+            port = free_port()
+            cmd = [sys.executable, "manage.py", "runrouter", "--worker-urls", standin_url, "--dp-aware",
+                   "--policy", policy, "--port", str(port)]
+            env = {"DATABASE_URL": f"sqlite:///{tmp / ('router-' + policy + '.sqlite3')}"}
+            url = f"http://127.0.0.1:{port}"
+            with server(cmd, url + "/health", tmp / f"router-{policy}.log", env=env) as proc:
+                pid = proc.pid if args.profile else None
+                measure(f"dpmesh router {policy}", url, args, script, results, profile_pid=pid)
+        if args.tokenizer_path:
+            port = free_port()
+            cmd = [sys.executable, "manage.py", "runrouter", "--worker-urls", standin_url, "--dp-aware",
+                   "--policy", "cache_aware", "--port", str(port), "--tokenizer-path", args.tokenizer_path]
+            env = {"DATABASE_URL": f"sqlite:///{tmp / 'router-tokenizer.sqlite3'}"}
+            url = f"http://127.0.0.1:{port}"
+            with server(cmd, url + "/health", tmp / "router-tokenizer.log", env=env):
+                measure("dpmesh router cache_aware+tok", url, args, script, results)
+        exe = shutil.which("sglang-router", path=str(Path(sys.executable).parent)) or shutil.which("sglang-router")
+        for policy in args.sglang_policies if exe else []:
+            port = free_port()
+            cmd = [exe, "launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls", standin_url,
+                   "--dp-aware", "--policy", policy, "--log-level", "warn"]
+            url = f"http://127.0.0.1:{port}"
+            with server(cmd, url + "/health", tmp / f"sglang-{policy}.log"):
+                measure(f"sglang-router {policy}", url, args, script, results)
+    return results
+
+
+def summary(results: list[dict]) -> str:
+    """A markdown table with the added p50 over direct and the throughput ratio to sglang-router."""
+    direct = {r["connections"]: r for r in results if r["target"].startswith("direct")}
+    sglang = {r["connections"]: r for r in results if r["target"] == "sglang-router round_robin"}
+    lines = ["| target | conns | p50 ms | p99 ms | req/s | added p50 ms | req/s vs sglang-router rr |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        c = r["connections"]
+        added = (r["p50_us"] - direct[c]["p50_us"]) / 1000 if c in direct else float("nan")
+        ratio = r["rps"] / sglang[c]["rps"] if c in sglang else float("nan")
+        lines.append(f"| {r['target']} | {c} | {r['p50_us'] / 1000:.2f} | {r['p99_us'] / 1000:.2f} | {r['rps']:.0f} "
+                     f"| {added:+.2f} | {ratio:.2f}x |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--duration", type=int, default=10, help="seconds per wrk run")
+    parser.add_argument("--connections", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--policies", nargs="+", default=["cache_aware", "round_robin"])
+    parser.add_argument("--sglang-policies", nargs="*", default=["round_robin", "cache_aware"])
+    parser.add_argument("--tokenizer-path", help="a tokenizer directory (e.g. the tiny model's) for an extra "
+                                                 "cache_aware run with token digests")
+    parser.add_argument("--json", help="write the raw results here")
+    parser.add_argument("--profile", help="directory for py-spy flame graphs of our router (largest load)")
+    args = parser.parse_args(argv)
+    if not shutil.which("wrk"):
+        print("wrk is not installed (apt-get install wrk)", file=sys.stderr)
+        return 2
+    if args.profile:
+        Path(args.profile).mkdir(parents=True, exist_ok=True)
+    results = run(args)
+    print()
+    print(summary(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
