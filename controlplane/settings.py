@@ -149,6 +149,8 @@ LOGGING = {
         "django": {"handlers": ["stderr"], "level": LOG_LEVEL, "propagate": False},
         # one line per proxied request is noise (and costs time on the hot path)
         "httpx": {"level": "WARNING"},
+        # a line per 4xx/5xx answer (every refused request, every 503 /health) is noise
+        "django.request": {"level": "ERROR"},
         "httpcore": {"level": "WARNING"},
     },
 }

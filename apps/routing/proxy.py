@@ -1,7 +1,8 @@
 """Forwarding one OpenAI request: route, inject the rank, retry before the first byte, relay.
 
-Retries (408/429/500/502/503/504, connection errors, timeouts) go to another target with
-exponential backoff, but only while nothing has reached the client. A streamed response is
+Retries (408/429/500/502/503/504, connection errors, connect timeouts) go to another target with
+exponential backoff, but only while nothing has reached the client. A read timeout is not
+retried: the engine may be generating, and a retry would run the request twice. A streamed response is
 relayed event by event as it arrives; if the client did not ask for usage, the usage event the
 router asked for (to learn the engine's cached tokens) is dropped on the way. Every path ends the
 request's load exactly once: finish, upstream error, timeout, client disconnect.
@@ -24,11 +25,15 @@ RETRYABLE = {408, 429, 500, 502, 503, 504}
 
 
 class ProxyError(Exception):
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error"):
+    """An error answer for the client; ``raw`` is an upstream's own error body, passed on as is."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", raw: bytes | None = None):
         super().__init__(message)
-        self.status, self.message, self.type = status, message, type
+        self.status, self.message, self.type, self.raw = status, message, type, raw
 
     def body(self) -> bytes:
+        if self.raw is not None:
+            return self.raw
         return json.dumps({"error": {"message": self.message, "type": self.type, "param": None,
                                      "code": self.status}}).encode()
 
@@ -83,8 +88,12 @@ async def open_upstream(router: Router, body: dict, *, chat: bool, path: str, st
             request = client.build_request("POST", worker.url + path, content=upstream_payload(body, routed, stream),
                                            headers=headers)
             response = await client.send(request, stream=True)
+        except (httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
+            last = ProxyError(504, f"upstream {routed.target.key} timed out connecting: {exc!r}", "server_error")
         except httpx.TimeoutException as exc:
-            last = ProxyError(504, f"upstream {routed.target.key} timed out: {exc!r}", "server_error")
+            # The request reached the engine and may be generating: retrying would run it twice.
+            router.finish(routed, ok=False)
+            raise ProxyError(504, f"upstream {routed.target.key} timed out: {exc!r}", "server_error") from exc
         except httpx.TransportError as exc:
             last = ProxyError(502, f"upstream {routed.target.key} unreachable: {exc!r}", "server_error")
         except BaseException:
@@ -93,9 +102,12 @@ async def open_upstream(router: Router, body: dict, *, chat: bool, path: str, st
         else:
             if response.status_code not in RETRYABLE or attempt == config.max_retries:
                 return routed, response
-            await response.aclose()
+            try:
+                raw = await response.aread()
+            finally:
+                await response.aclose()
             last = ProxyError(response.status_code, f"upstream {routed.target.key} answered {response.status_code}",
-                              "server_error")
+                              "server_error", raw=raw or None)
         routed.target.breaker.record_failure()
         router.finish(routed, ok=False)
         router.stats.retries += 1

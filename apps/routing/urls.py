@@ -1,11 +1,10 @@
-"""The router's public surface: the OpenAI proxy, health, metrics, and the workers API."""
+"""The router's Django surface: models, health, metrics, the workers API (the OpenAI proxy paths
+are served before Django, by apps/routing/fastpath.py)."""
 from django.urls import include, path
 
 from apps.routing import views
 
 urlpatterns = [
-    path("v1/completions", views.completions),
-    path("v1/chat/completions", views.chat_completions),
     path("v1/models", views.models),
     path("health", views.health),
     path("metrics", views.metrics),

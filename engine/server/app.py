@@ -5,7 +5,6 @@ relay outputs, and each streamed token leaves as its own SSE event.
 """
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
@@ -13,16 +12,36 @@ import time
 import uuid
 
 from engine.server import openai_api as api
+from engine.server.asgi import (BodyTooLarge, ClientGone, end_body, lifespan, read_body, send_body, send_chunk,
+                                send_json, start_sse, until_disconnect)
 from engine.server.frontend import EngineClient, RankFailed, RankUnavailable
 from engine.server.metrics import make_registry, render
 
 logger = logging.getLogger("engine.front")
 
-JSON = b"application/json"
 
 
-class ClientGone(Exception):
-    pass
+def rank_header(rank: int | None) -> list:
+    return [] if rank is None else [(b"x-data-parallel-rank", str(rank).encode())]
+
+
+async def send_event(send, payload: dict):
+    await send_chunk(send, b"data: " + json.dumps(payload).encode() + b"\n\n")
+
+
+async def send_sse_end(send):
+    await end_body(send, b"data: [DONE]\n\n")
+
+
+async def read_json(receive, limit: int):
+    try:
+        raw = await read_body(receive, limit)
+    except BodyTooLarge as exc:
+        raise api.APIError(413, str(exc)) from exc
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise api.APIError(400, f"the request body is not valid JSON: {exc}") from exc
 
 
 class EngineApp:
@@ -44,7 +63,7 @@ class EngineApp:
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "lifespan":
-            await _lifespan(receive, send)
+            await lifespan(receive, send)
             return
         if scope["type"] != "http":
             return
@@ -113,7 +132,7 @@ class EngineApp:
             raise api.APIError(exc.status, str(exc)) from exc
         use = api.usage(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)
         await send_json(send, 200, api.response(req, rid, self.model, "".join(text), last.finish_reason, use),
-                        rank=rank)
+                        rank_header(rank))
 
     async def _stream(self, req, rid, rank, outputs, send):
         created = int(time.time())
@@ -122,7 +141,7 @@ class EngineApp:
             async with contextlib.aclosing(outputs) as stream:
                 async for out in stream:
                     if not started:
-                        await start_sse(send, rank)
+                        await start_sse(send, rank_header(rank))
                         started = True
                         if req.chat:
                             await send_event(send, api.chunk(req, rid, self.model, created, None, None, role=True))
@@ -142,85 +161,3 @@ class EngineApp:
         await send_sse_end(send)
 
 
-# ----- ASGI helpers ----------------------------------------------------------------------------
-async def _lifespan(receive, send):
-    while True:
-        message = await receive()
-        if message["type"] == "lifespan.startup":
-            await send({"type": "lifespan.startup.complete"})
-        elif message["type"] == "lifespan.shutdown":
-            await send({"type": "lifespan.shutdown.complete"})
-            return
-
-
-async def read_json(receive, limit: int):
-    chunks, size = [], 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ClientGone()
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise api.APIError(413, f"the request body is larger than {limit} bytes")
-        chunks.append(chunk)
-        if not message.get("more_body"):
-            break
-    try:
-        return json.loads(b"".join(chunks))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise api.APIError(400, f"the request body is not valid JSON: {exc}") from exc
-
-
-async def until_disconnect(work, receive):
-    """Run ``work`` until it ends or the client disconnects; a disconnect cancels it, which
-    closes the output stream and so aborts the request in its rank."""
-    task = asyncio.ensure_future(work)
-
-    async def watch():
-        while (await receive())["type"] != "http.disconnect":
-            pass
-
-    watcher = asyncio.ensure_future(watch())
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-    if task.done() and not task.cancelled():
-        task.result()  # re-raise APIError and friends
-
-
-def _headers(content_type: bytes, rank: int | None, extra: list | None = None) -> list:
-    headers = [(b"content-type", content_type)] + (extra or [])
-    if rank is not None:
-        headers.append((b"x-data-parallel-rank", str(rank).encode()))
-    return headers
-
-
-async def send_body(send, status: int, body: bytes, content_type: bytes = JSON, rank: int | None = None):
-    headers = _headers(content_type, rank, [(b"content-length", str(len(body)).encode())])
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
-
-
-async def send_json(send, status: int, payload: dict, rank: int | None = None):
-    await send_body(send, status, json.dumps(payload).encode(), JSON, rank)
-
-
-async def start_sse(send, rank: int):
-    extra = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
-    await send({"type": "http.response.start", "status": 200,
-                "headers": _headers(b"text/event-stream; charset=utf-8", rank, extra)})
-
-
-async def send_event(send, payload: dict):
-    await send({"type": "http.response.body", "body": b"data: " + json.dumps(payload).encode() + b"\n\n",
-                "more_body": True})
-
-
-async def send_sse_end(send):
-    await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})

@@ -5,8 +5,8 @@ import asyncio
 import json
 
 import pytest
+import httpx
 from asgiref.testing import ApplicationCommunicator
-from django.core.handlers.asgi import ASGIHandler
 from django.test import AsyncClient
 
 from apps.replicas.models import Rank, Worker
@@ -14,7 +14,15 @@ from apps.replicas.services import fleet_restore
 from apps.routing import router as router_module
 from apps.routing.proxy import upstream
 from apps.routing.router import Router, RouterConfig, get_router, set_router
+from controlplane.asgi import application
 from tests.support.procs import free_port, start_engine
+
+
+async def proxy_post(path: str, body: dict) -> httpx.Response:
+    """Through the project's real ASGI application (the proxy paths are served before Django)."""
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=application), base_url="http://testserver",
+                                 timeout=60) as client:
+        return await client.post(path, json=body)
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
@@ -144,11 +152,10 @@ async def test_dp_unaware_worker_is_one_target_without_rank(engine, router, clie
     assert r.status_code == 201 and body["dp_aware"] is False and body["dp_size"] == 2
     assert [(t["key"], t["rank"]) for t in body["targets"]] == [(engine.url, None)]
     assert [row.rank async for row in Rank.objects.all()] == [None]
-    proxied = await client.post("/v1/completions", data=json.dumps({"prompt": "hello", "max_tokens": 2}),
-                                content_type="application/json")
+    proxied = await proxy_post("/v1/completions", {"prompt": "hello", "max_tokens": 2})
     assert proxied.status_code == 200
-    assert proxied["X-Routed-Target"] == engine.url
-    assert proxied["X-Data-Parallel-Rank"] in ("0", "1")  # the engine's own choice, passed on
+    assert proxied.headers["x-routed-target"] == engine.url
+    assert proxied.headers["x-data-parallel-rank"] in ("0", "1")  # the engine's own choice, passed on
 
 
 async def test_switching_dp_awareness_replaces_targets_and_forgets_old_keys(engine, router, client):
@@ -177,18 +184,18 @@ async def test_fleet_restore_rebuilds_targets_from_the_database(engine, router, 
 
 async def test_proxy_reports_the_rank_and_leaves_no_load(engine, router, client):
     await add(client, engine.url)
-    r = await client.post("/v1/chat/completions", data=json.dumps(CHAT), content_type="application/json")
-    assert r.status_code == 200, r.content
-    assert r["X-Data-Parallel-Rank"] in ("0", "1")
-    assert r["X-Routed-Target"] == f"{engine.url}@{r['X-Data-Parallel-Rank']}"
+    r = await proxy_post("/v1/chat/completions", CHAT)
+    assert r.status_code == 200, r.text
+    assert r.headers["x-data-parallel-rank"] in ("0", "1")
+    assert r.headers["x-routed-target"] == f"{engine.url}@{r.headers['x-data-parallel-rank']}"
     assert r.json()["usage"]["prompt_tokens"] == 43
     served = []
     body = {"prompt": [(11 * i) % 4000 for i in range(600)], "max_tokens": 2, "temperature": 0}
     for _ in range(2):  # the same long prompt twice: the second lands home and hits what the first cached
-        r = await client.post("/v1/completions", data=json.dumps(body), content_type="application/json")
-        assert r.status_code == 200, r.content
-        assert r["X-Routed-Target"] == f"{engine.url}@{r['X-Data-Parallel-Rank']}"
-        served.append((r["X-Routed-Target"], r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]))
+        r = await proxy_post("/v1/completions", body)
+        assert r.status_code == 200, r.text
+        assert r.headers["x-routed-target"] == f"{engine.url}@{r.headers['x-data-parallel-rank']}"
+        served.append((r.headers["x-routed-target"], r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]))
     assert served[1] == (served[0][0], 592)  # (600 - 1) // 16 = 37 blocks hit
     stats = router.stats.targets[served[0][0]]
     assert stats.predicted_tokens == stats.cached_tokens  # the index predicted exactly what the engine hit
@@ -203,21 +210,21 @@ async def test_streamed_proxy_relays_events_and_leaves_no_load(engine, router, c
     body = {"prompt": "the quick brown fox", "max_tokens": 3, "temperature": 0, "stream": True}
     if include_usage:
         body["stream_options"] = {"include_usage": True}
-    r = await client.post("/v1/completions", data=json.dumps(body), content_type="application/json")
-    assert r.status_code == 200 and r["Content-Type"].startswith("text/event-stream")
-    assert r["X-Routed-Target"] == f"{engine.url}@{r['X-Data-Parallel-Rank']}"
-    text = b"".join([chunk async for chunk in r.streaming_content]).decode()
+    r = await proxy_post("/v1/completions", body)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    assert r.headers["x-routed-target"] == f"{engine.url}@{r.headers['x-data-parallel-rank']}"
+    text = r.text
     events = [e for e in text.split("\n\n") if e]
     assert events[-1] == "data: [DONE]" and text.endswith("\n\n")
     payloads = [json.loads(e[len("data: "):]) for e in events[:-1]]
     usage_only = [p for p in payloads if not p["choices"]]
     assert len(usage_only) == (1 if include_usage else 0)
     assert all(t.load.idle for t in router.fleet.all_targets())
-    assert router.stats.targets[r["X-Routed-Target"]].reported == 1  # usage learned either way
+    assert router.stats.targets[r.headers["x-routed-target"]].reported == 1  # usage learned either way
 
 
 async def test_proxy_without_workers_is_503(router, client):
-    r = await client.post("/v1/completions", data=json.dumps({"prompt": "x"}), content_type="application/json")
+    r = await proxy_post("/v1/completions", {"prompt": "x"})
     assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
     assert router.stats.no_target == 1
 
@@ -230,11 +237,11 @@ async def test_client_disconnect_mid_stream_ends_the_load(engine, router, client
              "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
              "headers": [(b"host", b"testserver"), (b"content-type", b"application/json")],
              "client": ("127.0.0.1", 50000), "server": ("testserver", 80)}
-    app = ApplicationCommunicator(ASGIHandler(), scope)
+    app = ApplicationCommunicator(application, scope)
     await app.send_input({"type": "http.request", "body": json.dumps(body).encode(), "more_body": False})
     start = await app.receive_output(timeout=30)
     assert (start["type"], start["status"]) == ("http.response.start", 200)
-    key = dict(start["headers"])[b"X-Routed-Target"].decode()
+    key = dict(start["headers"])[b"x-routed-target"].decode()
     target = next(t for t in router.fleet.all_targets() if t.key == key)
     first = await app.receive_output(timeout=30)
     assert first["body"].startswith(b"data: ") and first["more_body"]
