@@ -29,14 +29,23 @@ class RankLoad:
         self.pending_prefill_tokens = 0
         self.dispatched = 0  # requests ever sent here
         self.clock = clock
-        self._recent = 0.0
+        self._recent = 0.0  # prompt tokens
+        self._recent_n = 0.0  # requests
         self._recent_at = clock()
+
+    def _decay(self, now: float) -> float:
+        return math.exp2(-(now - self._recent_at) / RECENT_HALF_LIFE_S)
 
     def recent_tokens(self, now: float | None = None) -> float:
         """Prompt tokens dispatched here lately, decayed with a 3 s half-life: who has been
         serving the sessions that are still active, which in-flight counts alone miss between turns."""
         now = self.clock() if now is None else now
-        return self._recent * math.exp2(-(now - self._recent_at) / RECENT_HALF_LIFE_S)
+        return self._recent * self._decay(now)
+
+    def recent_requests(self, now: float | None = None) -> float:
+        """Requests dispatched here lately (same decay): the session count, whatever their size."""
+        now = self.clock() if now is None else now
+        return self._recent_n * self._decay(now)
 
     def begin(self, prompt_tokens: int, prefill_tokens: int) -> LoadTicket:
         self.requests += 1
@@ -44,7 +53,9 @@ class RankLoad:
         self.pending_prefill_tokens += prefill_tokens
         self.dispatched += 1
         now = self.clock()
-        self._recent, self._recent_at = self.recent_tokens(now) + prompt_tokens, now
+        decay = self._decay(now)
+        self._recent, self._recent_n = self._recent * decay + prompt_tokens, self._recent_n * decay + 1
+        self._recent_at = now
         return LoadTicket(prompt_tokens, prefill_tokens)
 
     def first_token(self, ticket: LoadTicket) -> None:

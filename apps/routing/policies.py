@@ -61,27 +61,30 @@ class CacheAware(Policy):
             + decode_weight x requests running on t             (each adds a token to every step)
             + stickiness x private blocks t lacks              (leaving a session's home strands
                                                                  its history: later turns pay again)
-            + balance_weight x pressure x (t's recent volume / mean - 1)
+            + balance_weight x pressure x excess(t)
                                                                 (where sessions pile up over time)
 
     "Private" blocks are matched blocks past the deepest shared branch point
     (``PrefixIndex.shared_blocks``): one session's own history. A shared prefix (a system prompt
-    every conversation starts with, a hot document) carries no stickiness. The balance term uses
-    prompt tokens dispatched lately (decayed, ``RankLoad.recent_tokens``), relative to the mean over
-    the candidates: it is what makes a shared prefix worth replicating to an idle target before any
+    every conversation starts with, a hot document) carries no stickiness. ``excess(t)`` is how far
+    above the candidates' mean t's recent load is: the mean of its relative prompt tokens and its
+    relative request count dispatched lately (decayed, ``RankLoad.recent_tokens`` and
+    ``recent_requests``; requests count because a rank decoding many short sessions is busy too).
+    It is what makes a shared prefix worth replicating to an idle target before any
     queue forms there, and it steers new sessions to where active sessions are fewest. It is scaled
     by ``pressure`` (requests in flight per target, capped at 1): an idle fleet has nothing to
     balance, so affinity alone decides there. It is bounded (at most ``balance_weight`` x
     (targets - 1) tokens), so it never outweighs a large cached prefix: there is no global switch
     that turns affinity off for the whole fleet.
 
-    The lowest cost wins; targets within ``slack`` tokens of it count as tied and go to the one with
-    the least recent volume, then the fewest requests, then chance (never always target 0).
+    The lowest cost wins; targets within ``slack`` tokens of it count as tied and go to the one sent
+    the fewest requests lately (a session count, whatever their sizes), then the fewest in flight,
+    then chance (never always target 0).
     """
 
     name = "cache_aware"
 
-    def __init__(self, rng=None, decode_weight: float = 16.0, stickiness: float = 2.0,
+    def __init__(self, rng=None, decode_weight: float = 16.0, stickiness: float = 3.0,
                  balance_weight: float = 512.0, slack: float = 32.0, new_session_slack: float = 256.0):
         super().__init__(rng)
         self.decode_weight, self.stickiness, self.balance_weight = decode_weight, stickiness, balance_weight
@@ -94,15 +97,18 @@ class CacheAware(Policy):
               shared_blocks: int = 0) -> list[float]:
         hits = [self.matched_tokens(t, shape, matched) for t in targets]
         best_match, shared = max(hits), shared_blocks * shape.block_tokens
-        recent = [t.load.recent_tokens() for t in targets]
-        mean_recent = sum(recent) / len(recent)
+        volume = [t.load.recent_tokens() for t in targets]
+        count = [t.load.recent_requests() for t in targets]
+        mean_volume, mean_count = sum(volume) / len(volume), sum(count) / len(count)
         # Balance only matters under contention: with the fleet idle, affinity alone decides. And it
         # decides where sessions start; a session with private history moves only for a real queue.
         pressure = min(1.0, sum(t.load.requests for t in targets) / len(targets)) if best_match <= shared else 0.0
         out = []
-        for t, hit, vol in zip(targets, hits, recent):
+        for t, hit, vol, n in zip(targets, hits, volume, count):
             stranded = max(0, best_match - max(hit, shared))
-            excess = vol / mean_recent - 1 if mean_recent > 0 else 0.0
+            # half prompt tokens, half requests: a rank decoding many short sessions is busy too
+            excess = ((vol / mean_volume - 1 if mean_volume > 0 else 0.0)
+                      + (n / mean_count - 1 if mean_count > 0 else 0.0)) / 2
             out.append(shape.prompt_tokens - hit + t.load.pending_prefill_tokens
                        + self.decode_weight * t.load.requests + self.stickiness * stranded
                        + self.balance_weight * pressure * excess)
@@ -116,7 +122,7 @@ class CacheAware(Policy):
         # later turns go, so among targets nearly as cheap now, the least loaded lately wins.
         slack = self.slack if private else self.new_session_slack
         near = [t for c, t in zip(costs, targets) if c <= best + slack]
-        return min(near, key=lambda t: (t.load.recent_tokens(), t.load.requests, self.rng.random()))
+        return min(near, key=lambda t: (t.load.recent_requests(), t.load.requests, self.rng.random()))
 
 
 POLICIES = {cls.name: cls for cls in (RoundRobin, Random, PowerOfTwo, CacheAware)}

@@ -112,12 +112,12 @@ def test_balance_term_sends_new_work_to_where_recent_volume_is_lowest():
     busy.load.begin(300, 0)  # one request in flight on each: pressure 1
     quiet.load.begin(100, 0)
     s = shape(40)
-    # recent volume 300 vs 100, mean 200: excess +0.5 and -0.5
-    assert policy.costs([busy, quiet], s, {}) == [40 + 16 + 50, 40 + 16 - 50]
+    # recent tokens 300 vs 100 (mean 200: +0.5 / -0.5), one request each (0 / 0): excess +0.25 / -0.25
+    assert policy.costs([busy, quiet], s, {}) == [40 + 16 + 25, 40 + 16 - 25]
     assert policy.choose([busy, quiet], s, {}) is quiet
     clock.now += RECENT_HALF_LIFE_S  # both halve: the ratio and so the costs stay
     assert busy.load.recent_tokens() == pytest.approx(150) and quiet.load.recent_tokens() == pytest.approx(50)
-    assert policy.costs([busy, quiet], s, {}) == pytest.approx([106, 6])
+    assert policy.costs([busy, quiet], s, {}) == pytest.approx([81, 31])
 
 
 def test_balance_term_is_off_when_the_fleet_is_idle_and_for_private_history():
@@ -137,7 +137,7 @@ def test_balance_term_never_outweighs_a_large_cached_prefix():
     clock = Clock()
     policy = cache_aware()
     home, away = targets(2, clock=clock)
-    home.load.begin(5000, 0)  # every recent token went home (excess +1 vs -1); pressure 1/2
+    home.load.begin(5000, 0)  # every recent token and request went home (excess +1 vs -1); pressure 1/2
     s = shape(1000, blocks=62)
     costs = policy.costs([home, away], s, {home.key: 62}, shared_blocks=62)
     assert costs == [8 + 16 + 128, 1000 - 128]
