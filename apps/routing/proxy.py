@@ -14,6 +14,7 @@ import json
 import logging
 import random
 
+import aiohttp
 import httpx
 
 from apps.replicas.discovery import auth_headers
@@ -54,7 +55,55 @@ class Upstream:
         return self.client
 
 
-upstream = Upstream()
+upstream = Upstream()  # discovery and health checks
+
+
+class ProxyResponse:
+    """An upstream answer on the proxy path (aiohttp: measured ~3-6x the requests/s of httpx on
+    this path, whose pool scans every connection per request)."""
+
+    def __init__(self, response: aiohttp.ClientResponse):
+        self._response = response
+        self.status_code = response.status
+        self.headers = response.headers  # case-insensitive
+
+    async def aread(self) -> bytes:
+        return await self._response.read()
+
+    def aiter_raw(self):
+        return self._response.content.iter_any()
+
+    async def aclose(self) -> None:
+        self._response.release()
+
+
+class ProxyClient:
+    """The proxy's pooled aiohttp session, created on the loop that first needs it."""
+
+    def __init__(self):
+        self.session: aiohttp.ClientSession | None = None
+        self.loop = None
+
+    def get(self, config) -> aiohttp.ClientSession:
+        loop = asyncio.get_running_loop()
+        if self.session is None or self.loop is not loop:
+            timeout = aiohttp.ClientTimeout(total=None, sock_connect=config.connect_timeout_s,
+                                            sock_read=config.request_timeout_s)
+            connector = aiohttp.TCPConnector(limit=4096, limit_per_host=0, ttl_dns_cache=300)
+            self.session = aiohttp.ClientSession(timeout=timeout, connector=connector, auto_decompress=False)
+            self.loop = loop
+        return self.session
+
+    async def aclose(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+        self.session = self.loop = None
+
+    async def post(self, config, url: str, data: bytes, headers: dict) -> ProxyResponse:
+        return ProxyResponse(await self.get(config).post(url, data=data, headers=headers))
+
+
+proxy_client = ProxyClient()
 
 
 def upstream_payload(body: dict, routed: Routed, stream: bool) -> bytes:
@@ -67,11 +116,11 @@ def upstream_payload(body: dict, routed: Routed, stream: bool) -> bytes:
     return json.dumps(payload).encode()
 
 
-async def open_upstream(router: Router, body: dict, *, chat: bool, path: str, stream: bool) -> tuple[Routed, httpx.Response]:
+async def open_upstream(router: Router, body: dict, *, chat: bool, path: str,
+                        stream: bool) -> tuple[Routed, ProxyResponse]:
     """Send the request to a chosen target, retrying elsewhere while nothing reached the client.
     Returns the routed request and the open response (a 2xx, or the last error to pass on)."""
     config = router.config
-    client = upstream.get(config)
     model = body.get("model") if isinstance(body.get("model"), str) else None
     tried: set[str] = set()
     last: ProxyError | None = None
@@ -85,16 +134,15 @@ async def open_upstream(router: Router, body: dict, *, chat: bool, path: str, st
         worker = routed.target.worker
         headers = {"content-type": "application/json", **auth_headers(worker.api_key)}
         try:
-            request = client.build_request("POST", worker.url + path, content=upstream_payload(body, routed, stream),
-                                           headers=headers)
-            response = await client.send(request, stream=True)
-        except (httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
+            response = await proxy_client.post(config, worker.url + path, upstream_payload(body, routed, stream),
+                                               headers)
+        except aiohttp.ConnectionTimeoutError as exc:
             last = ProxyError(504, f"upstream {routed.target.key} timed out connecting: {exc!r}", "server_error")
-        except httpx.TimeoutException as exc:
+        except (aiohttp.SocketTimeoutError, asyncio.TimeoutError) as exc:
             # The request reached the engine and may be generating: retrying would run it twice.
             router.finish(routed, ok=False)
             raise ProxyError(504, f"upstream {routed.target.key} timed out: {exc!r}", "server_error") from exc
-        except httpx.TransportError as exc:
+        except aiohttp.ClientError as exc:
             last = ProxyError(502, f"upstream {routed.target.key} unreachable: {exc!r}", "server_error")
         except BaseException:
             router.finish(routed, ok=False)
@@ -135,7 +183,7 @@ def is_usage_only(event: bytes) -> bool:
     return isinstance(data, dict) and data.get("usage") is not None and not data.get("choices")
 
 
-async def relay(router: Router, routed: Routed, response: httpx.Response, client_wants_usage: bool):
+async def relay(router: Router, routed: Routed, response: ProxyResponse, client_wants_usage: bool):
     """Yield the upstream's SSE events as they arrive; end the load however the stream ends."""
     buffer = b""
     usage = None
@@ -156,7 +204,7 @@ async def relay(router: Router, routed: Routed, response: httpx.Response, client
         if buffer:
             yield buffer
         ok = True
-    except httpx.HTTPError as exc:
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
         error = ProxyError(502, f"upstream {routed.target.key} failed mid-stream: {exc!r}", "server_error")
         yield b"data: " + error.body() + b"\n\ndata: [DONE]\n\n"
     finally:

@@ -12,7 +12,7 @@ from django.test import AsyncClient
 from apps.replicas.models import Rank, Worker
 from apps.replicas.services import fleet_restore
 from apps.routing import router as router_module
-from apps.routing.proxy import upstream
+from apps.routing.proxy import proxy_client, upstream
 from apps.routing.router import Router, RouterConfig, get_router, set_router
 from controlplane.asgi import application
 from tests.support.procs import free_port, start_engine
@@ -47,6 +47,7 @@ async def router():
     if upstream.client is not None:  # bound to this test's event loop
         await upstream.client.aclose()
         upstream.client = upstream.loop = None
+    await proxy_client.aclose()
 
 
 @pytest.fixture
