@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 
 RECENT_HALF_LIFE_S = 3.0
+SESSION_HALF_LIFE_S = 30.0  # chat think times are seconds to minutes
 
 
 @dataclass
@@ -32,6 +33,8 @@ class RankLoad:
         self._recent = 0.0  # prompt tokens
         self._recent_n = 0.0  # requests
         self._recent_at = clock()
+        self._sessions = 0.0  # turns of continuing sessions
+        self._sessions_at = self._recent_at
 
     def _decay(self, now: float) -> float:
         return math.exp2(-(now - self._recent_at) / RECENT_HALF_LIFE_S)
@@ -47,7 +50,14 @@ class RankLoad:
         now = self.clock() if now is None else now
         return self._recent_n * self._decay(now)
 
-    def begin(self, prompt_tokens: int, prefill_tokens: int) -> LoadTicket:
+    def active_sessions(self, now: float | None = None) -> float:
+        """Continuing sessions served here lately: turns whose private history was already here,
+        decayed with a 30 s half-life. One-shot requests (however many) never count, so a burst of
+        them does not make a rank look busy once it is over."""
+        now = self.clock() if now is None else now
+        return self._sessions * math.exp2(-(now - self._sessions_at) / SESSION_HALF_LIFE_S)
+
+    def begin(self, prompt_tokens: int, prefill_tokens: int, continues_session: bool = False) -> LoadTicket:
         self.requests += 1
         self.prompt_tokens += prompt_tokens
         self.pending_prefill_tokens += prefill_tokens
@@ -56,6 +66,8 @@ class RankLoad:
         decay = self._decay(now)
         self._recent, self._recent_n = self._recent * decay + prompt_tokens, self._recent_n * decay + 1
         self._recent_at = now
+        if continues_session:
+            self._sessions, self._sessions_at = self.active_sessions(now) + 1, now
         return LoadTicket(prompt_tokens, prefill_tokens)
 
     def first_token(self, ticket: LoadTicket) -> None:

@@ -67,19 +67,19 @@ class CacheAware(Policy):
     "Private" blocks are matched blocks past the deepest shared branch point
     (``PrefixIndex.shared_blocks``): one session's own history. A shared prefix (a system prompt
     every conversation starts with, a hot document) carries no stickiness. ``excess(t)`` is how far
-    above the candidates' mean t's recent load is: the mean of its relative prompt tokens and its
-    relative request count dispatched lately (decayed, ``RankLoad.recent_tokens`` and
-    ``recent_requests``; requests count because a rank decoding many short sessions is busy too).
-    It is what makes a shared prefix worth replicating to an idle target before any
+    above the candidates' mean t's load is: the mean of its relative requests in flight (now) and
+    its relative active sessions (``RankLoad.active_sessions``: turns that continued a session
+    there, decayed over 30 s — the load that will keep coming back; one-shot requests never count,
+    so a finished burst of them leaves no trace). It is what makes a shared prefix worth replicating to an idle target before any
     queue forms there, and it steers new sessions to where active sessions are fewest. It is scaled
     by ``pressure`` (requests in flight per target, capped at 1): an idle fleet has nothing to
     balance, so affinity alone decides there. It is bounded (at most ``balance_weight`` x
     (targets - 1) tokens), so it never outweighs a large cached prefix: there is no global switch
     that turns affinity off for the whole fleet.
 
-    The lowest cost wins; targets within ``slack`` tokens of it count as tied and go to the one sent
-    the fewest requests lately (a session count, whatever their sizes), then the fewest in flight,
-    then chance (never always target 0).
+    The lowest cost wins; targets within ``slack`` tokens of it count as tied and go to the one
+    with the fewest active sessions plus requests in flight, then the fewest requests lately, then
+    chance (never always target 0).
     """
 
     name = "cache_aware"
@@ -97,18 +97,18 @@ class CacheAware(Policy):
               shared_blocks: int = 0) -> list[float]:
         hits = [self.matched_tokens(t, shape, matched) for t in targets]
         best_match, shared = max(hits), shared_blocks * shape.block_tokens
-        volume = [t.load.recent_tokens() for t in targets]
-        count = [t.load.recent_requests() for t in targets]
-        mean_volume, mean_count = sum(volume) / len(volume), sum(count) / len(count)
+        inflight = [t.load.requests for t in targets]
+        sessions = [t.load.active_sessions() for t in targets]
+        mean_inflight, mean_sessions = sum(inflight) / len(inflight), sum(sessions) / len(sessions)
         # Balance only matters under contention: with the fleet idle, affinity alone decides. And it
         # decides where sessions start; a session with private history moves only for a real queue.
         pressure = min(1.0, sum(t.load.requests for t in targets) / len(targets)) if best_match <= shared else 0.0
         out = []
-        for t, hit, vol, n in zip(targets, hits, volume, count):
+        for t, hit, n, live in zip(targets, hits, inflight, sessions):
             stranded = max(0, best_match - max(hit, shared))
-            # half prompt tokens, half requests: a rank decoding many short sessions is busy too
-            excess = ((vol / mean_volume - 1 if mean_volume > 0 else 0.0)
-                      + (n / mean_count - 1 if mean_count > 0 else 0.0)) / 2
+            # now (requests in flight) and the near future (sessions that keep coming back here)
+            excess = ((n / mean_inflight - 1 if mean_inflight > 0 else 0.0)
+                      + (live / mean_sessions - 1 if mean_sessions > 0 else 0.0)) / 2
             out.append(shape.prompt_tokens - hit + t.load.pending_prefill_tokens
                        + self.decode_weight * t.load.requests + self.stickiness * stranded
                        + self.balance_weight * pressure * excess)
@@ -122,7 +122,8 @@ class CacheAware(Policy):
         # later turns go, so among targets nearly as cheap now, the least loaded lately wins.
         slack = self.slack if private else self.new_session_slack
         near = [t for c, t in zip(costs, targets) if c <= best + slack]
-        return min(near, key=lambda t: (t.load.recent_requests(), t.load.requests, self.rng.random()))
+        return min(near, key=lambda t: (t.load.active_sessions() + t.load.requests, t.load.recent_requests(),
+                                        self.rng.random()))
 
 
 POLICIES = {cls.name: cls for cls in (RoundRobin, Random, PowerOfTwo, CacheAware)}

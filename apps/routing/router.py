@@ -108,7 +108,8 @@ class Router:
         shape = shapes[target.key]
         predicted = min(matched.get(target.key, 0) * primary.block_tokens // shape.block_tokens,
                         shape.hittable_blocks) * shape.block_tokens
-        ticket = target.load.begin(shape.prompt_tokens, shape.prompt_tokens - predicted)
+        continues = matched.get(target.key, 0) > shared  # its private history is already there
+        ticket = target.load.begin(shape.prompt_tokens, shape.prompt_tokens - predicted, continues)
         self.index.insert(target.key, shape.digests)
         self.stats.dispatched(target.key, shape.prompt_tokens, predicted)
         return Routed(target, shape, predicted, ticket)

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from apps.routing.digests import RequestShape
-from apps.routing.load import RECENT_HALF_LIFE_S
+from apps.routing.load import SESSION_HALF_LIFE_S
 from apps.routing.policies import CacheAware, PowerOfTwo, Random, RoundRobin, make_policy
 from tests.routing.helpers import Clock, targets
 
@@ -105,19 +105,27 @@ def test_a_replicated_prefix_is_weighed_on_both_copies():
     assert policy.choose([home, copy, cold], s, {home.key: 4, copy.key: 4}, shared_blocks=4) is copy
 
 
-def test_balance_term_sends_new_work_to_where_recent_volume_is_lowest():
+def test_balance_term_sends_new_sessions_where_fewer_requests_and_sessions_are():
     clock = Clock()
     policy = cache_aware(balance_weight=100.0)
     busy, quiet = targets(2, clock=clock)
-    busy.load.begin(300, 0)  # one request in flight on each: pressure 1
-    quiet.load.begin(100, 0)
+    busy.load.begin(100, 0, continues_session=True)  # two in flight here, one of them a session's turn
+    busy.load.begin(100, 0)
     s = shape(40)
-    # recent tokens 300 vs 100 (mean 200: +0.5 / -0.5), one request each (0 / 0): excess +0.25 / -0.25
-    assert policy.costs([busy, quiet], s, {}) == [40 + 16 + 25, 40 + 16 - 25]
+    # in flight 2 vs 0 (mean 1: +1 / -1), active sessions 1 vs 0 (+1 / -1): excess +1 / -1, pressure 1
+    assert policy.costs([busy, quiet], s, {}) == [40 + 32 + 100, 40 - 100]
     assert policy.choose([busy, quiet], s, {}) is quiet
-    clock.now += RECENT_HALF_LIFE_S  # both halve: the ratio and so the costs stay
-    assert busy.load.recent_tokens() == pytest.approx(150) and quiet.load.recent_tokens() == pytest.approx(50)
-    assert policy.costs([busy, quiet], s, {}) == pytest.approx([81, 31])
+    clock.now += SESSION_HALF_LIFE_S  # sessions fade together: the relative excess stays
+    assert busy.load.active_sessions() == pytest.approx(0.5)
+    assert policy.costs([busy, quiet], s, {}) == pytest.approx([172, -60])
+
+
+def test_one_shot_requests_leave_no_session_trace():
+    clock = Clock()
+    load = targets(1, clock=clock)[0].load
+    for _ in range(50):
+        load.end(load.begin(640, 640))
+    assert load.active_sessions() == 0 and load.idle
 
 
 def test_balance_term_is_off_when_the_fleet_is_idle_and_for_private_history():
@@ -137,10 +145,10 @@ def test_balance_term_never_outweighs_a_large_cached_prefix():
     clock = Clock()
     policy = cache_aware()
     home, away = targets(2, clock=clock)
-    home.load.begin(5000, 0)  # every recent token and request went home (excess +1 vs -1); pressure 1/2
+    home.load.begin(5000, 0)  # in flight 1 vs 0 (+1 / -1), no sessions: excess +0.5 / -0.5; pressure 1/2
     s = shape(1000, blocks=62)
     costs = policy.costs([home, away], s, {home.key: 62}, shared_blocks=62)
-    assert costs == [8 + 16 + 128, 1000 - 128]
+    assert costs == [8 + 16 + 64, 1000 - 64]
     assert policy.choose([home, away], s, {home.key: 62}, shared_blocks=62) is home
 
 
