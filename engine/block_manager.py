@@ -8,7 +8,7 @@ it commits.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from engine.sequence import Sequence
@@ -46,7 +46,13 @@ class PoolUsage:
 
 
 class BlockManager:
-    """Owns ``num_blocks`` KV blocks of ``block_size`` tokens for one engine."""
+    """Owns ``num_blocks`` KV blocks of ``block_size`` tokens for one engine.
+
+    KV events wait in ``events`` until ``drain_events()``; only the newest ``MAX_PENDING_EVENTS``
+    are kept, so an engine whose events nobody drains does not grow without bound.
+    """
+
+    MAX_PENDING_EVENTS = 10_000
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         self.block_size = block_size
@@ -54,7 +60,7 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.by_digest: dict[int, int] = {}
-        self.events: list[BlockStored | BlockRemoved] = []
+        self.events: deque[BlockStored | BlockRemoved] = deque(maxlen=self.MAX_PENDING_EVENTS)
 
     @property
     def num_blocks(self) -> int:
@@ -143,23 +149,26 @@ class BlockManager:
         step) up to ``num_computed_tokens``, so later requests can hit them."""
         if not self.enable_prefix_caching:
             return
-        stored: list[int] = []
-        first = None
+        run: list[int] = []  # indices of consecutive blocks published by this call
         for i in range(min(num_computed_tokens, seq.num_tokens) // self.block_size):
             block = self.blocks[seq.block_table[i]]
-            if block.digest is not None:
-                continue
-            digest = seq.digest(i)
-            if digest in self.by_digest:
-                continue  # another block already holds these tokens; keep that one
-            block.digest, block.token_ids = digest, tuple(seq.block_tokens(i))
-            self.by_digest[digest] = block.block_id
-            first = i if first is None else first
-            stored.append(digest)
-        if stored:
-            parent = seq.digest(first - 1) if first else None
-            tokens = seq.token_ids[first * self.block_size:(first + len(stored)) * self.block_size]
-            self.events.append(BlockStored(stored, parent, tokens, self.block_size))
+            # a block already holding a digest (a hit, or published earlier) or whose digest another
+            # block holds (computed twice; keep the first) is skipped
+            if block.digest is None and seq.digest(i) not in self.by_digest:
+                block.digest, block.token_ids = seq.digest(i), tuple(seq.block_tokens(i))
+                self.by_digest[block.digest] = block.block_id
+                run.append(i)
+            elif run:  # one event describes one unbroken chain: close it at a gap
+                self._emit_stored(seq, run)
+                run = []
+        if run:
+            self._emit_stored(seq, run)
+
+    def _emit_stored(self, seq: Sequence, run: list[int]) -> None:
+        first, last = run[0], run[-1]
+        self.events.append(BlockStored([seq.digest(i) for i in run], seq.digest(first - 1) if first else None,
+                                       seq.token_ids[first * self.block_size:(last + 1) * self.block_size],
+                                       self.block_size))
 
     # ----- release -------------------------------------------------------------------------
     def free_sequence(self, seq: Sequence) -> None:
@@ -175,7 +184,8 @@ class BlockManager:
 
     # ----- observation -----------------------------------------------------------------------
     def drain_events(self) -> list[BlockStored | BlockRemoved]:
-        events, self.events = self.events, []
+        events = list(self.events)
+        self.events.clear()
         return events
 
     def usage(self) -> PoolUsage:

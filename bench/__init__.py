@@ -1,0 +1,4 @@
+"""The benchmark client: an async OpenAI-API load generator (``python -m bench --help``).
+
+No Django here: it runs against any OpenAI-compatible server, ours or not.
+"""

@@ -1,0 +1,182 @@
+"""``python -m bench`` / ``manage.py bench``: flags (vLLM's ``bench serve`` names where they exist),
+target discovery, dataset building, the run, and the report."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import httpx
+
+from bench import datasets, engine_metrics
+from bench.report import format_report, write_json
+from bench.runner import RunOptions, RunResult, send_conversations, send_samples
+from bench.stats import summarize
+
+logger = logging.getLogger("bench")
+
+DATASETS = ("prefix_repetition", "random", "multi_turn")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """All flags; shared by ``python -m bench`` and ``manage.py bench``."""
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root, e.g. http://127.0.0.1:8000")
+    parser.add_argument("--model", default=None, help="model name to send (default: the target's /v1/models)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="tokenizer path (default: /server_info model_path when it exists here)")
+    parser.add_argument("--vocab-size", type=int, default=None, help="id range when no tokenizer is known")
+    parser.add_argument("--dataset-name", default="prefix_repetition", choices=DATASETS)
+    parser.add_argument("--num-prompts", type=int, default=100)
+    parser.add_argument("--max-concurrency", type=int, default=None)
+    parser.add_argument("--request-rate", type=float, default=float("inf"), help="req/s, Poisson arrivals (default inf)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prompt-format", default="ids", choices=["ids", "text"],
+                        help="completions prompts as token-id lists (exact lengths) or decoded text")
+    parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                        help="send ignore_eos so outputs have exactly the requested length")
+    parser.add_argument("--extra-body", type=json.loads, default={}, help="JSON merged into every request body")
+    parser.add_argument("--request-timeout", type=float, default=600.0)
+    parser.add_argument("--engine-metrics-url", default=None, help="engine /metrics to diff per rank around the run")
+    parser.add_argument("--json", dest="json_path", default=None, metavar="PATH", help="write all numbers here")
+    parser.add_argument("--disable-tqdm", action="store_true")
+    group = parser.add_argument_group("prefix_repetition")
+    group.add_argument("--prefix-repetition-prefix-len", type=int, default=256)
+    group.add_argument("--prefix-repetition-suffix-len", type=int, default=256)
+    group.add_argument("--prefix-repetition-num-prefixes", type=int, default=10)
+    group.add_argument("--prefix-repetition-output-len", type=int, default=128)
+    group = parser.add_argument_group("random")
+    group.add_argument("--random-input-len", type=int, default=1024)
+    group.add_argument("--random-output-len", type=int, default=128)
+    group = parser.add_argument_group("multi_turn")
+    group.add_argument("--multi-turn-conversations", type=int, default=16)
+    group.add_argument("--multi-turn-turns", type=int, default=5)
+    group.add_argument("--multi-turn-system-len", type=int, default=400)
+    group.add_argument("--multi-turn-user-len", type=int, default=60)
+    group.add_argument("--multi-turn-output-len", type=int, default=32)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="bench", description="OpenAI-API load generator for dp-mesh engines")
+    add_arguments(parser)
+    return parser
+
+
+# ----- the target ------------------------------------------------------------------------------
+def discover(base_url: str) -> dict:
+    """The target's /server_info (empty for servers without it) plus ``models`` from /v1/models."""
+    info: dict = {}
+    with httpx.Client(base_url=base_url.rstrip("/"), timeout=30) as client:
+        for path in ("/server_info", "/get_server_info"):
+            try:
+                r = client.get(path)
+            except httpx.HTTPError:
+                continue
+            if r.status_code == 200 and isinstance(r.json(), dict):
+                info = r.json()
+                break
+        try:
+            r = client.get("/v1/models")
+            info["models"] = [m["id"] for m in r.json().get("data", [])] if r.status_code == 200 else []
+        except (httpx.HTTPError, ValueError):
+            info["models"] = []
+    return info
+
+
+def load_tokenizer(args, info: dict):
+    """``--tokenizer``, else the target's own model directory when it is on this machine, else None."""
+    path = args.tokenizer or info.get("model_path")
+    if not path or (not args.tokenizer and not Path(path).is_dir()):
+        return None
+    from transformers import AutoTokenizer  # heavy: only when there is a tokenizer to load
+    return AutoTokenizer.from_pretrained(path)
+
+
+def model_name(args, info: dict) -> str:
+    name = args.model or info.get("served_model_name") or (info.get("models") or [None])[0]
+    if not name:
+        raise SystemExit("bench: no model name; pass --model (the target lists none at /v1/models)")
+    return name
+
+
+# ----- the workload ----------------------------------------------------------------------------
+def build_workload(args, info: dict, tokenizer):
+    """The samples (prefix_repetition, random) or conversations (multi_turn) for ``args``."""
+    if args.dataset_name == "multi_turn":
+        return datasets.multi_turn(num_conversations=args.multi_turn_conversations, num_turns=args.multi_turn_turns,
+                                   system_len=args.multi_turn_system_len, user_len=args.multi_turn_user_len,
+                                   output_len=args.multi_turn_output_len, seed=args.seed, tokenizer=tokenizer)
+    vocab = args.vocab_size or info.get("vocab_size") or (len(tokenizer) if tokenizer is not None else None)
+    if vocab is None and tokenizer is None:
+        raise SystemExit("bench: no tokenizer and no vocab size; pass --tokenizer PATH or --vocab-size N")
+    allowed = datasets.allowed_token_ids(vocab, tokenizer)
+    as_text = args.prompt_format == "text"
+    if args.dataset_name == "random":
+        return datasets.random_prompts(num_prompts=args.num_prompts, input_len=args.random_input_len,
+                                       output_len=args.random_output_len, seed=args.seed, allowed=allowed,
+                                       tokenizer=tokenizer, as_text=as_text)
+    return datasets.prefix_repetition(
+        num_prompts=args.num_prompts, prefix_len=args.prefix_repetition_prefix_len,
+        suffix_len=args.prefix_repetition_suffix_len, num_prefixes=args.prefix_repetition_num_prefixes,
+        output_len=args.prefix_repetition_output_len, seed=args.seed, allowed=allowed, tokenizer=tokenizer,
+        as_text=as_text)
+
+
+async def measure(opts: RunOptions, workload, metrics_url: str | None) -> tuple[RunResult, dict | None]:
+    """Run the workload, diffing the engine's per-rank counters around it when asked."""
+    before = await engine_metrics.scrape(metrics_url) if metrics_url else None
+    if workload and isinstance(workload[0], datasets.Conversation):
+        run = await send_conversations(opts, workload)
+    else:
+        run = await send_samples(opts, workload)
+    if before is None:
+        return run, None
+    after = await engine_metrics.scrape(metrics_url)
+    return run, engine_metrics.summarize(engine_metrics.delta(before, after))
+
+
+def run(args) -> dict:
+    """Benchmark as ``args`` say; print the table, write ``--json``; return the report."""
+    info = discover(args.base_url)
+    tokenizer = load_tokenizer(args, info)
+    workload = build_workload(args, info, tokenizer)
+    opts = RunOptions(base_url=args.base_url, model=model_name(args, info), max_concurrency=args.max_concurrency,
+                      request_rate=args.request_rate, seed=args.seed, ignore_eos=args.ignore_eos,
+                      extra_body=args.extra_body, timeout_s=args.request_timeout, progress=not args.disable_tqdm)
+    result, engine = asyncio.run(measure(opts, workload, args.engine_metrics_url))
+    report = {
+        "config": {**_config(args), "model": opts.model, "dp_size": info.get("dp_size")},
+        "summary": summarize(result.results, result.duration_s, info.get("dp_size")),
+        "engine_metrics": engine,
+        "requests": [_request_row(r) for r in result.results],
+    }
+    print(format_report(report), flush=True)
+    if args.json_path:
+        write_json(report, args.json_path)
+    return report
+
+
+def _config(args) -> dict:
+    """The flags as JSON-safe values (an infinite rate becomes "inf": JSON has no Infinity)."""
+    out = {}
+    for key, value in vars(args).items():
+        if isinstance(value, float) and value == float("inf"):
+            value = "inf"
+        if value is None or isinstance(value, (str, int, float, bool, dict, list)):
+            out[key] = value
+    return out
+
+
+def _request_row(result) -> dict:
+    row = asdict(result)
+    row.pop("text")
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    report = run(build_parser().parse_args(argv))
+    return 0 if report["summary"]["completed"] else 1
