@@ -353,7 +353,7 @@ def test_check_integrity_passes_on_consistent_state(bm):
 
 
 def test_check_integrity_counts(bm):
-    s = computed(bm, range(8))
+    computed(bm, range(8))
     bm.blocks[5].ref_count = 1  # a free block that claims a user
     with pytest.raises(AssertionError, match=r"used 3 \+ free 6 != total 8"):
         bm.check_integrity()
