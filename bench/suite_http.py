@@ -71,7 +71,7 @@ def server(cmd: list[str], url: str, log_path: Path, timeout: float = 300.0, env
             time.sleep(0.5)
         yield proc
     finally:
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signal.SIGTERM)  # not SIGINT: a shell's background job passes SIGINT on ignored
         try:
             proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
@@ -270,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads for every target (default: each its own default, all cores)")
     args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so the servers it started are stopped
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     from engine.tiny import ensure_tiny_model
