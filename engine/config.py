@@ -1,7 +1,7 @@
 """Engine configuration: one dataclass, validated once."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
@@ -25,7 +25,6 @@ class EngineConfig:
     stats_interval: int = 100  # log [Cache Stats] every this many finished requests
     enable_prefix_caching: bool = True
     seed: int = 0
-    extra: dict = field(default_factory=dict)
 
     DEFAULT_KV_MEMORY = 256 * 1024 * 1024
 

@@ -63,11 +63,6 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    @property
-    def is_prefill(self) -> bool:
-        """True while more than the last token still needs its KV computed."""
-        return self.num_tokens - self.num_computed_tokens > 1
-
     def block_tokens(self, i: int) -> list[int]:
         return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
 
