@@ -400,7 +400,7 @@ class StreamReader(threading.Thread):
 def plain_request(url: str, i: int) -> httpx.Response:
     """A non-streamed completion: its answer comes whole at the end, so until then nothing has
     reached the client and the router may still retry it."""
-    body = body_for("tiny", chat=False, stream=False, max_tokens=48, prompt=f"plain {i} goes on and on")
+    body = body_for("tiny", chat=False, stream=False, max_tokens=160, prompt=f"plain {i} goes on and on")
     return httpx.post(url + "/v1/completions", json=body, timeout=30)
 
 
@@ -413,8 +413,10 @@ def load_the_spare(url: str, spare_target: str, pool, leave: threading.Event):
         streams.append(StreamReader(url, len(streams), leave, stay_on=spare_target))
         streams[-1].start()
         assert streams[-1].started.wait(20)
-    on_spare = sum(s.target == spare_target for s in streams)
-    while router_load(url)[spare_target]["dpmesh_router_inflight_requests"] <= on_spare:
+    def streams_on_spare():  # recounted each time: a stream may end meanwhile on a fast host
+        return sum(s.target == spare_target and s.is_alive() for s in streams)
+
+    while router_load(url)[spare_target]["dpmesh_router_inflight_requests"] <= streams_on_spare():
         assert len(plains) < 6, "no plain request reached the spare"
         before = counter(url, "dpmesh_router_requests_total")
         plains.append(pool.submit(plain_request, url, len(plains)))
