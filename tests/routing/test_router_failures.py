@@ -376,7 +376,7 @@ class StreamReader(threading.Thread):
     def __init__(self, url: str, i: int, leave: threading.Event, stay_on: str):
         super().__init__(daemon=True)
         self.url, self.leave, self.stay_on = url, leave, stay_on
-        self.body = body_for("tiny", chat=False, stream=True, max_tokens=400, prompt=f"stream {i} goes on and on")
+        self.body = body_for("tiny", chat=False, stream=True, max_tokens=1500, prompt=f"stream {i} goes on and on")
         self.target, self.events, self.error = None, [], None
         self.started = threading.Event()
 
@@ -449,7 +449,8 @@ def test_dead_worker_is_taken_out_requests_go_elsewhere_and_it_comes_back(cluste
     for s in streams:
         assert s.error is None, s.error
         if s.target == spare_target:
-            assert s.events[-1] == "[DONE]" and json.loads(s.events[-2])["error"]["code"] == 502, s.events[-3:]
+            last = json.loads(s.events[-2])
+            assert s.events[-1] == "[DONE]" and last["error"]["code"] == 502, s.events[-3:]
             assert all('"error"' not in e for e in s.events[:-2])
         else:
             assert all('"error"' not in e for e in s.events), "streams elsewhere are unaffected"
