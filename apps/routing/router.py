@@ -108,8 +108,13 @@ class Router:
         shape = shapes[target.key]
         predicted = min(matched.get(target.key, 0) * primary.block_tokens // shape.block_tokens,
                         shape.hittable_blocks) * shape.block_tokens
-        continues = matched.get(target.key, 0) > shared  # its private history is already there
-        ticket = target.load.begin(shape.prompt_tokens, shape.prompt_tokens - predicted, continues)
+        # A session's turn: its private history is already there (it continues), or a chat request
+        # with none anywhere (a conversation starts here and its next turns will follow). Counting
+        # starts at once matters: a burst of new conversations is placed before any of them has a
+        # second turn, and placing them by in-flight requests alone lets the rank that answers
+        # fastest collect more conversations than the others.
+        continues = matched.get(target.key, 0) > shared
+        ticket = target.load.begin(shape.prompt_tokens, shape.prompt_tokens - predicted, continues or chat)
         self.index.insert(target.key, shape.digests)
         self.stats.dispatched(target.key, shape.prompt_tokens, predicted)
         return Routed(target, shape, predicted, ticket)

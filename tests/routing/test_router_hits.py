@@ -83,5 +83,5 @@ def test_multi_turn_chat_gets_the_oracle_and_stays_balanced(fleet):
     # Issue 4 asks for <= 1.25. Most runs give 1.00-1.01, but about one run in three places a few
     # sessions badly at the start (1.2-1.5), so that bound is NOT met reliably yet (see the closing
     # note); this asserts what holds every time: no pile-up like SGLang's 4.0 on 4 ranks.
-    assert balance(dict(enumerate(load))) <= 2.0, f"per-rank prompt tokens {load}"
+    assert balance(dict(enumerate(load))) <= 1.25, f"per-rank prompt tokens {load}"
     print(f"multi-turn: cached {cached} / oracle {oracle} = {cached / oracle:.3f}; per-rank prompt tokens {load}")
