@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -66,10 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # ----- the target ------------------------------------------------------------------------------
-def discover(base_url: str) -> dict:
+def discover(base_url: str, api_key: str | None = None) -> dict:
     """The target's /server_info (empty for servers without it) plus ``models`` from /v1/models."""
     info: dict = {}
-    with httpx.Client(base_url=base_url.rstrip("/"), timeout=30) as client:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    with httpx.Client(base_url=base_url.rstrip("/"), timeout=30, headers=headers) as client:
         for path in ("/server_info", "/get_server_info"):
             try:
                 r = client.get(path)
@@ -140,12 +142,14 @@ async def measure(opts: RunOptions, workload, metrics_url: str | None) -> tuple[
 
 def run(args) -> dict:
     """Benchmark as ``args`` say; print the table, write ``--json``; return the report."""
-    info = discover(args.base_url)
+    api_key = os.environ.get("OPENAI_API_KEY") or None  # like vLLM's bench: the key comes from the environment
+    info = discover(args.base_url, api_key)
     tokenizer = load_tokenizer(args, info)
     workload = build_workload(args, info, tokenizer)
     opts = RunOptions(base_url=args.base_url, model=model_name(args, info), max_concurrency=args.max_concurrency,
                       request_rate=args.request_rate, seed=args.seed, ignore_eos=args.ignore_eos,
-                      extra_body=args.extra_body, timeout_s=args.request_timeout, progress=not args.disable_tqdm)
+                      extra_body=args.extra_body, timeout_s=args.request_timeout, progress=not args.disable_tqdm,
+                      api_key=api_key)
     result, engine = asyncio.run(measure(opts, workload, args.engine_metrics_url))
     report = {
         "config": {**_config(args), "model": opts.model, "dp_size": info.get("dp_size")},

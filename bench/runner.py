@@ -35,6 +35,7 @@ class RunOptions:
     timeout_s: float = 600.0
     progress: bool = True
     transport: httpx.AsyncBaseTransport | None = None  # tests pass an httpx.MockTransport
+    api_key: str | None = None  # sent as Authorization: Bearer (servers started with API keys)
 
     @property
     def body_options(self) -> dict:
@@ -82,8 +83,9 @@ async def _run(opts: RunOptions, total: int, workload) -> RunResult:
     timeout = httpx.Timeout(opts.timeout_s, connect=30.0)
     slots = asyncio.Semaphore(opts.max_concurrency) if opts.max_concurrency else contextlib.nullcontext()
     bar = tqdm(total=total, file=sys.stderr, disable=not opts.progress, desc="requests", unit="req")
+    headers = {"Authorization": f"Bearer {opts.api_key}"} if opts.api_key else None
     async with httpx.AsyncClient(base_url=opts.base_url.rstrip("/"), timeout=timeout, limits=limits,
-                                 transport=opts.transport) as client:
+                                 transport=opts.transport, headers=headers) as client:
         ctx = _Context(opts, client, slots, bar, random.Random(opts.seed))
         started = time.perf_counter()
         await workload(ctx)

@@ -129,6 +129,19 @@ CONTROL_PLANE = namespaced_settings(
         "BALANCE_REL_THRESHOLD": 1.5,
         "HEALTH_CHECK_INTERVAL_S": 10.0,
         "REQUEST_TIMEOUT_S": 600.0,
+        # Access control. Comma-separated lists; empty means none configured.
+        # ADMIN_KEYS: Bearer keys for the /workers mutations (besides a staff session).
+        # API_KEYS: Bearer keys the OpenAI endpoints require (empty: open, like vLLM without --api-key).
+        "ADMIN_KEYS": "",
+        "API_KEYS": "",
+        # Periodic jobs (apps/routing/tasks.py): in the router process without a broker, or Celery
+        # worker + beat when REDIS_URL is set.
+        "SCRAPE_INTERVAL_S": 2.0,
+        "DISCOVERY_REFRESH_INTERVAL_S": 60.0,
+        "PRUNE_INTERVAL_S": 600.0,
+        "SAMPLE_RETENTION_S": 86400.0,
+        "EVENT_RETENTION_S": 7 * 86400.0,
+        "DASHBOARD_WINDOW_S": 600.0,
     },
 )
 

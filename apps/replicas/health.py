@@ -45,8 +45,12 @@ async def check_worker(router: Router, view: WorkerView) -> None:
 
 
 async def _persist(view: WorkerView, health: str, detail: str) -> None:
-    await Worker.objects.filter(id=view.worker_id).aupdate(health=health, health_detail=detail,
-                                                           last_checked_at=timezone.now())
+    """Record a transition: the worker's health, and a ``healthy``/``unhealthy`` WorkerEvent."""
+    from apps.replicas.models import WorkerEvent
+    updated = await Worker.objects.filter(id=view.worker_id).aupdate(health=health, health_detail=detail,
+                                                                     last_checked_at=timezone.now())
+    if updated:  # not removed meanwhile
+        await WorkerEvent.objects.acreate(worker_id=view.worker_id, kind=health, detail=detail)
 
 
 async def discover_pending(router: Router) -> None:

@@ -54,3 +54,50 @@ class Rank(models.Model):
 
     def __str__(self):
         return self.worker.url if self.rank is None else f"{self.worker.url}@{self.rank}"
+
+
+class WorkerEvent(models.Model):
+    """The worker's health history: discovery, taken out, back, drained, refreshed."""
+
+    class Kind(models.TextChoices):
+        DISCOVERED = "discovered"
+        HEALTHY = "healthy"
+        UNHEALTHY = "unhealthy"
+        DRAINING = "draining"
+        UNDRAINED = "undrained"
+        CHANGED = "changed"  # /server_info changed (dp_size, model)
+
+    worker = models.ForeignKey(Worker, on_delete=models.CASCADE, related_name="events")
+    at = models.DateTimeField(auto_now_add=True, db_index=True)
+    kind = models.CharField(max_length=16, choices=Kind.choices)
+    detail = models.TextField(blank=True, default="")
+
+    class Meta:
+        ordering = ["-at", "-id"]
+
+    def __str__(self):
+        return f"{self.at:%Y-%m-%d %H:%M:%S} {self.kind}"
+
+
+class RankSample(models.Model):
+    """One scrape of a rank's engine-side counters (the engine's own /metrics): the dashboard's
+    time series. Counters are cumulative since the engine started; rates come from differences."""
+
+    rank = models.ForeignKey(Rank, on_delete=models.CASCADE, related_name="samples")
+    at = models.DateTimeField(db_index=True)
+    requests = models.BigIntegerField(default=0)
+    prompt_tokens = models.BigIntegerField(default=0)
+    cached_tokens = models.BigIntegerField(default=0)
+    running = models.IntegerField(default=0)
+    waiting = models.IntegerField(default=0)
+    kv_blocks_used = models.IntegerField(default=0)
+    kv_blocks_total = models.IntegerField(default=0)
+    up = models.BooleanField(default=True)
+
+    class Meta:
+        ordering = ["at", "id"]
+        indexes = [models.Index(fields=["rank", "at"])]
+
+    @property
+    def hit_rate(self) -> float | None:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else None

@@ -12,7 +12,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from apps.replicas.discovery import DiscoveryError, dp_size_of, fetch_server_info, view_of
-from apps.replicas.models import Rank, Worker
+from apps.replicas.models import Rank, Worker, WorkerEvent
 from apps.routing.proxy import upstream
 from apps.routing.router import Router, get_router
 
@@ -31,6 +31,7 @@ def _save_worker(*, url: str, api_key: str, dp_aware: bool, info: dict | None) -
     worker, _ = Worker.objects.select_for_update().get_or_create(url=url, defaults={"api_key": api_key,
                                                                                    "dp_aware": dp_aware})
     worker.api_key, worker.dp_aware = api_key or worker.api_key, dp_aware
+    before = (bool(worker.server_info), worker.dp_size, worker.model_name)
     if info is not None:
         worker.server_info = info
         worker.dp_size = dp_size_of(info)
@@ -40,6 +41,8 @@ def _save_worker(*, url: str, api_key: str, dp_aware: bool, info: dict | None) -
         worker.health_detail = ""
         worker.last_checked_at = timezone.now()
     worker.save()
+    if info is not None:
+        _record_discovery(worker, *before)
     ranks = list(range(worker.dp_size)) if worker.dp_aware else [None]
     for row in worker.ranks.all():
         if row.rank not in ranks:  # dp_size shrank, or dp-awareness changed
@@ -49,6 +52,19 @@ def _save_worker(*, url: str, api_key: str, dp_aware: bool, info: dict | None) -
         row, _ = Rank.objects.get_or_create(worker=worker, rank=rank)
         rank_ids[rank] = row.id
     return worker, rank_ids
+
+
+def _record_discovery(worker: Worker, was_discovered: bool, dp_size: int, model: str) -> None:
+    """A ``discovered`` event the first time /server_info is read, ``changed`` when a refresh finds
+    another dp_size or model."""
+    if not was_discovered:
+        WorkerEvent.objects.create(worker=worker, kind=WorkerEvent.Kind.DISCOVERED,
+                                   detail=f"model {worker.model_name}, dp_size {worker.dp_size}")
+        return
+    changes = [f"{what} {old} -> {new}" for what, old, new in (("dp_size", dp_size, worker.dp_size),
+                                                               ("model", model, worker.model_name)) if old != new]
+    if changes:
+        WorkerEvent.objects.create(worker=worker, kind=WorkerEvent.Kind.CHANGED, detail="; ".join(changes))
 
 
 def install(router: Router, worker: Worker, rank_ids: dict) -> None:
@@ -95,7 +111,10 @@ async def worker_remove(*, worker_id: int, router: Router | None = None) -> bool
 
 async def worker_set_draining(*, worker_id: int, draining: bool, router: Router | None = None) -> None:
     router = router or get_router()
-    await Worker.objects.filter(id=worker_id).aupdate(draining=draining)
+    changed = await Worker.objects.filter(id=worker_id).exclude(draining=draining).aupdate(draining=draining)
+    if changed:
+        await WorkerEvent.objects.acreate(worker_id=worker_id, kind=WorkerEvent.Kind.DRAINING if draining
+                                          else WorkerEvent.Kind.UNDRAINED)
     view = router.fleet.workers.get(worker_id)
     if view is not None:
         view.draining = draining

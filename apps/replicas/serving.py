@@ -31,6 +31,12 @@ def add_router_arguments(parser: argparse.ArgumentParser, *, port: int = DEFAULT
     parser.add_argument("--request-timeout-secs", type=float, default=None)
     parser.add_argument("--max-retries", type=int, default=None)
     parser.add_argument("--prefix-ttl-secs", type=float, default=None)
+    parser.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                        help="require 'Authorization: Bearer KEY' on /v1/completions, /v1/chat/completions and "
+                             "/v1/models (repeatable; vLLM's flag; replaces CONTROL_PLANE_API_KEYS)")
+    parser.add_argument("--admin-key", action="append", default=None, metavar="KEY",
+                        help="Bearer key for the workers API's mutations, besides a staff session (repeatable; "
+                             "replaces CONTROL_PLANE_ADMIN_KEYS)")
 
 
 def router_config(opts: dict):
@@ -46,23 +52,34 @@ def router_config(opts: dict):
         prefix_ttl_s=opts.get("prefix_ttl_secs"))
 
 
-async def startup(router, worker_urls: list[str]) -> list[asyncio.Task]:
+async def startup(router, worker_urls: list[str], policy_flag: str | None = None) -> list[asyncio.Task]:
     """Restore the fleet from the database, add ``worker_urls`` (discovered now or, if not up
-    yet, by the health loop), and start the background loops."""
+    yet, by the health loop), adopt the recorded policy unless ``--policy`` was given, and start
+    the background loops (with no broker, the periodic jobs run here too)."""
     from apps.replicas.health import health_loop
     from apps.replicas.services import fleet_restore, worker_add
+    from apps.routing import background
     from apps.routing.persist import stats_loop
 
     restored = await fleet_restore(router=router)
     for url in worker_urls:
         await worker_add(url=url, strict=False, router=router)
-    logger.info("router ready: %d workers restored, %d given; policy %s, %s", restored, len(worker_urls),
-                router.config.policy, "dp-aware" if router.config.dp_aware else "worker-level")
-    return [asyncio.ensure_future(health_loop(router)), asyncio.ensure_future(stats_loop(router))]
+    await background.adopt_policy(router, policy_flag)
+    loops = [health_loop(router), stats_loop(router), background.sync_loop(router)]
+    if background.embedded():
+        loops.append(background.embedded_jobs_loop())
+    logger.info("router ready: %d workers restored, %d given; policy %s, %s; periodic jobs %s", restored,
+                len(worker_urls), router.config.policy, "dp-aware" if router.config.dp_aware else "worker-level",
+                "in this process" if background.embedded() else "on the Celery worker (REDIS_URL)")
+    return [asyncio.ensure_future(loop) for loop in loops]
 
 
 def serve_router(opts: dict, on_ready=None) -> None:
     """Run the router (blocking) until SIGINT/SIGTERM."""
+    from django.conf import settings
+    for flag, name in (("api_key", "API_KEYS"), ("admin_key", "ADMIN_KEYS")):
+        if opts.get(flag):  # a new dict: the settings' default stays untouched for whoever copied it
+            settings.CONTROL_PLANE = {**settings.CONTROL_PLANE, name: ",".join(opts[flag])}
     from daphne.server import Server  # installs the asyncio reactor first
     from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler
     from twisted.internet import reactor
@@ -72,7 +89,8 @@ def serve_router(opts: dict, on_ready=None) -> None:
 
     router = set_router(Router(router_config(opts)))
     loop = reactor._asyncioEventloop
-    loop.call_soon(lambda: asyncio.ensure_future(startup(router, list(opts.get("worker_urls") or []))))
+    loop.call_soon(lambda: asyncio.ensure_future(startup(router, list(opts.get("worker_urls") or []),
+                                                         opts.get("policy"))))
     host, port = opts.get("host") or "127.0.0.1", opts.get("port") or DEFAULT_ROUTER_PORT
     app = _with_static(application, ASGIStaticFilesHandler)
     if on_ready:
@@ -91,3 +109,24 @@ def _with_static(application, handler):
         return await application(scope, receive, send)
 
     return app
+
+
+def ensure_admin_user() -> str:
+    """Create the first admin from ``DJANGO_SUPERUSER_USERNAME`` / ``DJANGO_SUPERUSER_PASSWORD``
+    (/ ``DJANGO_SUPERUSER_EMAIL``; Django's own names) when set and absent. Returns one line for
+    the banner: who can log in, or how to create someone who can."""
+    import os
+
+    from django.contrib.auth import get_user_model
+    from django.core.management import call_command
+
+    users = get_user_model().objects
+    name = os.environ.get("DJANGO_SUPERUSER_USERNAME", "").strip()
+    if name and os.environ.get("DJANGO_SUPERUSER_PASSWORD") and not users.filter(username=name).exists():
+        os.environ.setdefault("DJANGO_SUPERUSER_EMAIL", "")
+        call_command("createsuperuser", interactive=False, username=name, verbosity=0)
+        return f"admin user {name!r} created from DJANGO_SUPERUSER_USERNAME / DJANGO_SUPERUSER_PASSWORD"
+    if users.filter(is_staff=True, is_active=True).exists():
+        return "log in with a staff account"
+    return ("no admin user yet: run `python manage.py createsuperuser`, or start with DJANGO_SUPERUSER_USERNAME "
+            "and DJANGO_SUPERUSER_PASSWORD set")

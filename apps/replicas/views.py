@@ -1,4 +1,8 @@
-"""The workers API: ours (``/workers``) and SGLang router's legacy one (``/add_worker`` …)."""
+"""The workers API: ours (``/workers``) and SGLang router's legacy one (``/add_worker`` …).
+
+Mutations (POST /workers, DELETE /workers/{id}, POST /add_worker, POST /remove_worker) need an
+admin key (``Authorization: Bearer``) or a staff session with a CSRF token: apps/replicas/auth.py.
+Reads (GET /workers, GET /workers/{id}, GET /list_workers) stay open, as in SGLang's router."""
 from __future__ import annotations
 
 import json
@@ -6,6 +10,7 @@ import json
 from django.http import JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 
+from apps.replicas.auth import admin_required
 from apps.replicas.discovery import DiscoveryError
 from apps.replicas.models import Worker
 from apps.replicas.services import worker_add, worker_as_dict, worker_remove
@@ -27,6 +32,7 @@ async def _register(url: str, api_key: str = "", dp_aware=None) -> JsonResponse:
 
 
 @csrf_exempt
+@admin_required
 async def workers(request):
     if request.method == "GET":
         return JsonResponse({"workers": [worker_as_dict(w) async for w in Worker.objects.all()]})
@@ -45,6 +51,7 @@ async def workers(request):
 
 
 @csrf_exempt
+@admin_required
 async def worker_detail(request, worker_id: int):
     worker = await Worker.objects.filter(id=worker_id).afirst()
     if worker is None:
@@ -58,6 +65,7 @@ async def worker_detail(request, worker_id: int):
 
 
 @csrf_exempt
+@admin_required
 async def add_worker(request):
     if request.method != "POST":
         return _error(405, "use POST")
@@ -65,6 +73,7 @@ async def add_worker(request):
 
 
 @csrf_exempt
+@admin_required
 async def remove_worker(request):
     if request.method != "POST":
         return _error(405, "use POST")

@@ -4,12 +4,16 @@
 stack runs its hooks through thread hops (measured: ~13 per request, ~5 ms added at p50), which
 these two endpoints do not need: they have no session, no CSRF, no templates. So
 ``controlplane.asgi`` sends exactly these paths here and everything else to Django.
+
+Their access control is checked here, from the scope's headers before the body is read: when API
+keys are configured (apps/replicas/auth.py) a request without one of them is answered 401.
 """
 from __future__ import annotations
 
 import json
 import logging
 
+from apps.replicas.auth import INVALID_API_KEY_BODY, api_key_allowed, scope_authorization
 from apps.routing.proxy import ProxyError, open_upstream, relay
 from apps.routing.router import get_router
 from engine.server.asgi import (BodyTooLarge, ClientGone, SSE_HEADERS, end_body, read_body, send_body,
@@ -47,6 +51,16 @@ def parse(raw: bytes) -> dict:
 
 async def openai_proxy(scope, receive, send) -> None:
     path = scope["path"]
+    stats = get_router().stats
+
+    async def send(message, send=send):  # counts every answer by status for /metrics
+        if message["type"] == "http.response.start":
+            stats.responded(path, message["status"])
+        await send(message)
+
+    if not api_key_allowed(scope_authorization(scope)):
+        await send_body(send, 401, INVALID_API_KEY_BODY, headers=[(b"www-authenticate", b"Bearer")])
+        return
     if scope["method"] != "POST":
         await send_error(send, ProxyError(405, f"{scope['method']} {path} is not served here"))
         return

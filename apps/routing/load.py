@@ -51,9 +51,10 @@ class RankLoad:
         return self._recent_n * self._decay(now)
 
     def active_sessions(self, now: float | None = None) -> float:
-        """Continuing sessions served here lately: turns whose private history was already here,
-        decayed with a 30 s half-life. One-shot requests (however many) never count, so a burst of
-        them does not make a rank look busy once it is over."""
+        """Sessions served here lately: turns whose private history was already here and chat
+        requests that started a conversation here (the router decides which: ``begin``'s
+        ``continues_session``), decayed with a 30 s half-life. One-shot completions (however many)
+        never count, so a burst of them does not make a rank look busy once it is over."""
         now = self.clock() if now is None else now
         return self._sessions * math.exp2(-(now - self._sessions_at) / SESSION_HALF_LIFE_S)
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 PREFIX = "dpmesh_router"
 
@@ -43,10 +43,39 @@ class RouterCollector:
             for t in targets:
                 family.add_metric(label_values(t), read(t))
             yield family
+        for name, help_text, read in [
+                ("worker_healthy", "1 while the worker passes its health checks", lambda t: int(t.worker.healthy)),
+                ("worker_draining", "1 while the worker is drained (no new requests)", lambda t: int(t.worker.draining)),
+                ("circuit_open", "1 while the target's circuit breaker refuses requests",
+                 lambda t: int(t.breaker.state == "open"))]:
+            family = GaugeMetricFamily(f"{PREFIX}_{name}", help_text, labels=labels)
+            for t in targets:
+                family.add_metric(label_values(t), read(t))
+            yield family
+        stats_ = self.router.stats
+        family = CounterMetricFamily(f"{PREFIX}_http_responses", "OpenAI answers sent, by endpoint and status",
+                                     labels=["endpoint", "status"])
+        for (endpoint, status), count in sorted(stats_.responses.items()):
+            family.add_metric([endpoint, str(status)], count)
+        yield family
+        for name, help_text, hist in [
+                ("request_duration_seconds", "Routed requests: dispatch to the end of the upstream answer",
+                 stats_.latency),
+                ("time_to_first_token_seconds", "Streamed requests: dispatch to the first token", stats_.ttft)]:
+            family = HistogramMetricFamily(f"{PREFIX}_{name}", help_text)
+            family.add_metric([], hist.cumulative(), sum_value=hist.sum)
+            yield family
+        yield _policy_info(self.router)
         yield CounterMetricFamily(f"{PREFIX}_retries", "Upstream attempts retried on another target",
                                   value=self.router.stats.retries)
         yield CounterMetricFamily(f"{PREFIX}_no_target", "Requests refused because no target was available",
                                   value=self.router.stats.no_target)
+
+
+def _policy_info(router) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(f"{PREFIX}_policy_info", "The active routing policy (value 1)", labels=["policy"])
+    family.add_metric([router.config.policy], 1)
+    return family
 
 
 def render_metrics(router) -> bytes:

@@ -69,8 +69,8 @@ class CacheAware(Policy):
     every conversation starts with, a hot document) carries no stickiness. ``excess(t)`` is how far
     above the candidates' mean t's load is: the mean of its relative requests in flight (now) and
     its relative active sessions (``RankLoad.active_sessions``: turns that continued a session
-    there, decayed over 30 s — the load that will keep coming back; one-shot requests never count,
-    so a finished burst of them leaves no trace). It is what makes a shared prefix worth replicating to an idle target before any
+    there and chat requests that started one, decayed over 30 s — the load that will keep coming
+    back; one-shot completions never count, so a finished burst of them leaves no trace). It is what makes a shared prefix worth replicating to an idle target before any
     queue forms there, and it steers new sessions to where active sessions are fewest. It is scaled
     by ``pressure`` (requests in flight per target, capped at 1): an idle fleet has nothing to
     balance, so affinity alone decides there. It is bounded (at most ``balance_weight`` x

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from dataclasses import dataclass, field
 
 from django.conf import settings
@@ -66,6 +67,8 @@ class Routed:
     predicted_tokens: int
     ticket: LoadTicket
     finished: bool = field(default=False)
+    started: float = field(default_factory=time.perf_counter)
+    first_token_seen: bool = field(default=False)
 
 
 class Router:
@@ -76,6 +79,7 @@ class Router:
         self.index = PrefixIndex(ttl_s=self.config.prefix_ttl_s)
         self.stats = RouterStats()
         self.policy: Policy = self._make_policy(self.config.policy)
+        self.db_fingerprints: dict[int, tuple] = {}  # worker id -> what was installed (background.sync_fleet)
 
     def _make_policy(self, name: str) -> Policy:
         if name == "cache_aware":
@@ -145,6 +149,9 @@ class Router:
 
     def first_token(self, routed: Routed) -> None:
         routed.target.load.first_token(routed.ticket)
+        if not routed.first_token_seen:
+            routed.first_token_seen = True
+            self.stats.ttft.observe(time.perf_counter() - routed.started)
 
     def finish(self, routed: Routed, *, ok: bool, usage: dict | None = None) -> None:
         """End the request's load (idempotent) and record what the engine reported."""
@@ -152,6 +159,7 @@ class Router:
             return
         routed.finished = True
         routed.target.load.end(routed.ticket)
+        self.stats.latency.observe(time.perf_counter() - routed.started)
         if ok:
             routed.target.breaker.record_success()
         cached = None

@@ -18,11 +18,47 @@ class TargetStats:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
+class Histogram:
+    """Cumulative-bucket histogram in Prometheus' shape (seconds)."""
+
+    BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+    def __init__(self, buckets: tuple[float, ...] = BUCKETS):
+        self.buckets = buckets
+        self.counts = [0] * len(buckets)  # per bucket, not cumulative
+        self.count = 0
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.count += 1
+        self.sum += value
+        for i, bound in enumerate(self.buckets):
+            if value <= bound:
+                self.counts[i] += 1
+                break
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        """[(le, count <= le)], ending with +Inf, as Prometheus exposes buckets."""
+        out, running = [], 0
+        for bound, n in zip(self.buckets, self.counts):
+            running += n
+            out.append((repr(bound), running))
+        out.append(("+Inf", self.count))
+        return out
+
+
 class RouterStats:
     def __init__(self):
         self.targets: dict[str, TargetStats] = {}
         self.retries = 0
         self.no_target = 0
+        self.responses: dict[tuple[str, int], int] = {}  # (endpoint, HTTP status) -> answers sent
+        self.latency = Histogram()  # dispatch to the end of the upstream answer, per routed request
+        self.ttft = Histogram()  # dispatch to the first streamed token
+
+    def responded(self, endpoint: str, status: int) -> None:
+        key = (endpoint, status)
+        self.responses[key] = self.responses.get(key, 0) + 1
 
     def _get(self, key: str) -> TargetStats:
         stats = self.targets.get(key)

@@ -1,14 +1,20 @@
 """The router's read-only endpoints. The proxy itself (/v1/completions, /v1/chat/completions)
-is a plain ASGI app in front of Django: apps/routing/fastpath.py."""
+is a plain ASGI app in front of Django: apps/routing/fastpath.py.
+
+``/v1/models`` needs an API key when some are configured (apps/replicas/auth.py); ``/health`` and
+``/metrics`` are always open."""
 from __future__ import annotations
 
 from django.http import HttpResponse, JsonResponse
 
+from apps.replicas.auth import api_key_allowed, invalid_api_key_response
 from apps.routing.metrics import render_metrics
 from apps.routing.router import get_router
 
 
 async def models(request):
+    if not api_key_allowed(request.headers.get("Authorization")):
+        return invalid_api_key_response()
     router = get_router()
     data = [{"id": name, "object": "model", "owned_by": "dpmesh"} for name in router.fleet.models()]
     return JsonResponse({"object": "list", "data": data})

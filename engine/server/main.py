@@ -33,6 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--register-with", default=None, metavar="ROUTER_URL",
                         help="register this engine with a router's /workers API once ready")
+    parser.add_argument("--register-key", default=None, metavar="KEY",
+                        help="the router's admin key, sent as 'Authorization: Bearer KEY' with --register-with "
+                             "(default: the first key of CONTROL_PLANE_ADMIN_KEYS, if set)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--threads-per-rank", type=int, default=None,
                         help="torch threads per rank (default: the cores divided between ranks)")
@@ -104,29 +107,38 @@ def server_info(args, client, model_path: str, dp_size: int, tp_size: int) -> di
     }
 
 
-def register(router_url: str, own_url: str) -> None:
-    """Tell a router about this engine, retrying while the router starts."""
+def register(router_url: str, own_url: str, key: str | None = None) -> None:
+    """Tell a router about this engine, retrying while the router starts. A refusal (401/403: no
+    or a wrong admin key) is final: retrying would not change it."""
     import time
 
     import httpx
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
     for attempt in range(30):
         try:
-            r = httpx.post(f"{router_url.rstrip('/')}/workers", json={"url": own_url}, timeout=10,
-                           headers=_router_auth())
-            if r.status_code < 300:
-                logger.info("registered with router %s: %s", router_url, r.status_code)
-                return
-            logger.warning("router %s refused registration: %s %s", router_url, r.status_code, r.text[:200])
-            return
+            r = httpx.post(f"{router_url.rstrip('/')}/workers", json={"url": own_url}, timeout=10, headers=headers)
         except httpx.HTTPError as exc:
             logger.info("router %s not reachable yet (%s); retrying", router_url, exc)
             time.sleep(min(5.0, 0.5 * (attempt + 1)))
+            continue
+        if r.status_code < 300:
+            logger.info("registered with router %s: %s", router_url, r.status_code)
+        elif r.status_code in (401, 403):
+            logger.error("router %s refused registration (%s): %s the router's admin key with --register-key "
+                         "(or CONTROL_PLANE_ADMIN_KEYS); not retrying", router_url, r.status_code,
+                         "check" if key else "pass")
+        else:
+            logger.warning("router %s refused registration: %s %s", router_url, r.status_code, r.text[:200])
+        return
     logger.error("gave up registering with router %s", router_url)
 
 
-def _router_auth() -> dict:
-    key = os.environ.get("CONTROL_PLANE_API_KEY")
-    return {"Authorization": f"Bearer {key}"} if key else {}
+def register_key(args) -> str | None:
+    """``--register-key``, else the first of ``CONTROL_PLANE_ADMIN_KEYS`` (the router's own setting)."""
+    if args.register_key:
+        return args.register_key
+    keys = [k.strip() for k in os.environ.get("CONTROL_PLANE_ADMIN_KEYS", "").split(",") if k.strip()]
+    return keys[0] if keys else None
 
 
 def serve(args) -> int:
@@ -148,7 +160,7 @@ def serve(args) -> int:
     app = EngineApp(client, tokenizer, info, max_body_bytes=args.max_body_bytes)
     url = f"http://{args.host}:{args.port}"
     if args.register_with:
-        threading.Thread(target=register, args=(args.register_with, url), daemon=True).start()
+        threading.Thread(target=register, args=(args.register_with, url, register_key(args)), daemon=True).start()
     print(f"Engine ready on {url} (model {info['served_model_name']}, dp_size {dp_size})", flush=True)
     server = Server(application=app, endpoints=[f"tcp:port={args.port}:interface={args.host}"],
                     signal_handlers=True, verbosity=0, application_close_timeout=5)

@@ -50,9 +50,27 @@ async def router():
     await proxy_client.aclose()
 
 
+ADMIN_KEY = "test-admin-key"
+
+
+@pytest.fixture(autouse=True)
+def admin_key(settings):
+    """The workers API's mutations need an admin key (apps/replicas/auth.py): configure one."""
+    settings.CONTROL_PLANE = {**settings.CONTROL_PLANE, "ADMIN_KEYS": ADMIN_KEY}
+
+
+class AdminClient(AsyncClient):
+    """Sends the admin key with every request (AsyncClient's own ``headers=`` default does not reach
+    the ASGI scope in Django 5.2)."""
+
+    def generic(self, *args, headers=None, **kwargs):
+        return super().generic(*args, headers={"Authorization": f"Bearer {ADMIN_KEY}", **(headers or {})},
+                               **kwargs)
+
+
 @pytest.fixture
 def client():
-    return AsyncClient()
+    return AdminClient()
 
 
 async def add(client, url, **extra):

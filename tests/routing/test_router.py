@@ -85,6 +85,21 @@ def test_finish_is_idempotent_and_records_errors(tiny_path):
     assert routed.finished and routed.target.load.idle
 
 
+def test_latency_and_first_token_are_observed_once_per_request(tiny_path):
+    router = make_router(tiny_path)
+    routed = router.route({"prompt": "hello there", "stream": True}, False, None)
+    router.first_token(routed)
+    router.first_token(routed)
+    router.finish(routed, ok=True)
+    router.finish(routed, ok=True)
+    assert (router.stats.ttft.count, router.stats.latency.count) == (1, 1)
+    assert 0 <= router.stats.ttft.sum <= router.stats.latency.sum
+    assert router.stats.latency.cumulative()[-1] == ("+Inf", 1)
+    other = router.route({"prompt": "no stream"}, False, None)
+    router.finish(other, ok=False)  # failed requests are timed too, and never had a first token
+    assert (router.stats.ttft.count, router.stats.latency.count) == (1, 2)
+
+
 def test_finish_without_usage_counts_completion_only(tiny_path):
     router = make_router(tiny_path)
     routed = router.route({"prompt": "hello there"}, False, None)

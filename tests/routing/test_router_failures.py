@@ -28,8 +28,9 @@ import pytest
 
 from tests.support import procs
 from tests.support.procs import ServerProcess, free_port, wait_for
-from tests.support.router_checks import (assert_idle, body_for, busy_targets, counter, healthy_targets, kill_hard,
-                                         path_for, router_load, sse_events, start_engine_on, start_router, texts)
+from tests.support.router_checks import (ADMIN_HEADERS, assert_idle, body_for, busy_targets, counter,
+                                         healthy_targets, kill_hard, path_for, router_load, sse_events,
+                                         start_engine_on, start_router, texts)
 from tests.support.standin import Behaviour, StandIn
 
 pytestmark = pytest.mark.slow
@@ -110,14 +111,14 @@ def standin(cluster):
 
     def make(dp_size: int = 2, default: Behaviour | None = None) -> StandIn:
         s = StandIn(dp_size=dp_size, model=f"standin-{next(_models)}", default=default).start()
-        r = httpx.post(cluster.url + "/workers", json={"url": s.url}, timeout=10)
+        r = httpx.post(cluster.url + "/workers", json={"url": s.url}, timeout=10, headers=ADMIN_HEADERS)
         assert r.status_code == 201, r.text
         made.append((s, r.json()["id"]))
         return s
 
     yield make
     for s, worker_id in made:
-        httpx.delete(f"{cluster.url}/workers/{worker_id}", timeout=10)
+        httpx.delete(f"{cluster.url}/workers/{worker_id}", timeout=10, headers=ADMIN_HEADERS)
         s.stop()
 
 

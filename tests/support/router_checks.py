@@ -14,18 +14,21 @@ import pytest
 from tests.support import procs
 from tests.support.procs import ServerProcess, free_port, wait_for
 
+ADMIN_KEY = "test-router-admin-key"  # start_router's routers take it for the workers API's mutations
+ADMIN_HEADERS = {"Authorization": f"Bearer {ADMIN_KEY}"}
+
 LOAD_GAUGES = ("dpmesh_router_inflight_requests", "dpmesh_router_inflight_prompt_tokens",
                "dpmesh_router_pending_prefill_tokens")
 
 
 # ----- processes ---------------------------------------------------------------------------------
 def start_router(tmp: Path, worker_urls: list[str], name: str, *flags: str) -> ServerProcess:
-    """``runrouter --dp-aware`` with its own SQLite database; ready when it answers /metrics (its
-    /health is 503 until some worker is up)."""
+    """``runrouter --dp-aware`` with its own SQLite database and ``ADMIN_KEY`` as its admin key;
+    ready when it answers /metrics (its /health is 503 until some worker is up)."""
     port = free_port()
     cmd = [sys.executable, "manage.py", "runrouter", "--worker-urls", *worker_urls, "--dp-aware",
            "--port", str(port), *flags]
-    env = {"DATABASE_URL": f"sqlite:///{tmp / (name + '.sqlite3')}"}
+    env = {"DATABASE_URL": f"sqlite:///{tmp / (name + '.sqlite3')}", "CONTROL_PLANE_ADMIN_KEYS": ADMIN_KEY}
     return procs.start(cmd, f"http://127.0.0.1:{port}", tmp / f"{name}.log", health="/metrics", timeout=60, env=env)
 
 

@@ -2,7 +2,7 @@
 from django.core.management import call_command
 from django.core.management.base import BaseCommand
 
-from apps.replicas.serving import add_router_arguments, serve_router
+from apps.replicas.serving import add_router_arguments, ensure_admin_user, serve_router
 
 
 class Command(BaseCommand):
@@ -15,4 +15,6 @@ class Command(BaseCommand):
     def handle(self, *args, **options):
         call_command("migrate", interactive=False, verbosity=0)
         host, port = options["host"], options["port"]
-        serve_router(options, on_ready=lambda: self.stdout.write(f"Router on http://{host}:{port}", ending="\n"))
+        admin = ensure_admin_user()
+        serve_router(options, on_ready=lambda: self.stdout.write(
+            f"Router on http://{host}:{port}; dashboard http://{host}:{port}/dashboard/ ({admin})", ending="\n"))

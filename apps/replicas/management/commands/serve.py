@@ -10,7 +10,7 @@ from django.conf import settings
 from django.core.management import call_command
 from django.core.management.base import BaseCommand
 
-from apps.replicas.serving import serve_router
+from apps.replicas.serving import ensure_admin_user, serve_router
 
 
 class Command(BaseCommand):
@@ -29,6 +29,7 @@ class Command(BaseCommand):
 
     def handle(self, *args, **o):
         call_command("migrate", interactive=False, verbosity=0)
+        admin = ensure_admin_user()
         engine_url = f"http://127.0.0.1:{o['engine_port']}"
         cmd = [sys.executable, os.path.join(settings.BASE_DIR, "manage.py"), "runengine", "--model", o["model"],
                "--dp-size", str(o["dp_size"]), "--port", str(o["engine_port"]), "--host", "127.0.0.1", *o["engine_arg"]]
@@ -36,8 +37,8 @@ class Command(BaseCommand):
         url = f"http://{o['host']}:{o['port']}"
         banner = (f"\n  OpenAI API   {url}/v1  (e.g. curl {url}/v1/chat/completions -d "
                   f"'{{\"messages\":[{{\"role\":\"user\",\"content\":\"hi\"}}]}}')\n"
-                  f"  Workers API  {url}/workers\n  Metrics      {url}/metrics\n  Admin        {url}/admin/  "
-                  f"(create a user: python manage.py createsuperuser)\n  Engine       {engine_url} "
+                  f"  Dashboard    {url}/dashboard/  ({admin})\n  Admin        {url}/admin/\n"
+                  f"  Workers API  {url}/workers\n  Metrics      {url}/metrics\n  Engine       {engine_url} "
                   f"(dp_size {o['dp_size']}; the router discovers it when it is ready)\n")
         try:
             serve_router({"worker_urls": [engine_url], "dp_aware": True, "policy": o["policy"], "host": o["host"],

@@ -1,0 +1,208 @@
+"""The control plane's periodic jobs, as plain functions: scrape each engine's /metrics into
+``RankSample`` rows, prune old rows, refresh discovery, run a benchmark against the fleet.
+
+They touch only the database and the engines (never a router's memory), so the same code runs
+in a Celery worker (``apps/routing/tasks.py`` wraps each one in a task) or, in the embedded
+mode, in a thread of the router process (``apps/routing/background.py``). Router processes pick
+up what they change (a new dp_size, a draining flag) from the database.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from datetime import timedelta
+
+import httpx
+from asgiref.sync import async_to_sync
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+from prometheus_client.parser import text_string_to_metric_families
+
+from apps.replicas.discovery import auth_headers
+from apps.replicas.models import Rank, RankSample, Worker, WorkerEvent
+
+logger = logging.getLogger(__name__)
+
+DASHBOARD_GROUP = "dashboard"
+SAMPLE_FIELDS = ("requests", "prompt_tokens", "cached_tokens", "running", "waiting", "kv_blocks_used",
+                 "kv_blocks_total")
+
+# Engine metric names -> RankSample fields: ours (per-rank label "rank"), then vLLM's (label
+# "engine" is its DP rank) so a vLLM worker behind the router gets a time series too.
+_METRIC_MAP = {
+    "dpmesh_engine_requests": "requests",
+    "dpmesh_engine_prompt_tokens": "prompt_tokens",
+    "dpmesh_engine_cached_tokens": "cached_tokens",
+    "dpmesh_engine_num_requests_running": "running",
+    "dpmesh_engine_num_requests_waiting": "waiting",
+    "dpmesh_engine_kv_blocks_used": "kv_blocks_used",
+    "dpmesh_engine_kv_blocks_total": "kv_blocks_total",
+    "vllm:request_success": "requests",
+    "vllm:prefix_cache_queries": "prompt_tokens",
+    "vllm:prefix_cache_hits": "cached_tokens",
+    "vllm:num_requests_running": "running",
+    "vllm:num_requests_waiting": "waiting",
+}
+
+
+def parse_engine_metrics(text: str) -> dict[int | None, dict[str, float]]:
+    """{rank: {field: value}} from an engine's Prometheus text. Series without a rank label are
+    filed under None; several series of one field for one rank (vLLM splits request_success by
+    finish reason) are summed."""
+    out: dict[int | None, dict[str, float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            # by sample name: exporters differ in whether the TYPE line carries "_total"
+            field = _METRIC_MAP.get(sample.name) or _METRIC_MAP.get(sample.name.removesuffix("_total"))
+            if field is None:
+                continue
+            label = sample.labels.get("rank", sample.labels.get("engine"))
+            try:
+                rank = int(label) if label is not None else None
+            except ValueError:
+                rank = None
+            values = out.setdefault(rank, {})
+            values[field] = values.get(field, 0.0) + sample.value
+    return out
+
+
+def _rank_values(parsed: dict, rank: int | None) -> dict[str, float] | None:
+    if rank is not None and rank in parsed:
+        return parsed[rank]
+    if rank is None and parsed:  # a worker-level target: the whole engine
+        total: dict[str, float] = {}
+        for values in parsed.values():
+            for name, value in values.items():
+                total[name] = total.get(name, 0.0) + value
+        return total
+    return None
+
+
+def scrape_fleet(timeout: float = 5.0) -> int:
+    """One RankSample per rank of every discovered worker, all stamped with the same time (one
+    point of the dashboard's series). An engine that does not answer gets ``up=False`` rows with
+    its last known counters, so the series shows the gap. Returns the number of rows written."""
+    at = timezone.now()
+    rows = []
+    workers = list(Worker.objects.exclude(server_info={}).prefetch_related("ranks"))
+    with httpx.Client(timeout=timeout) as client:
+        for worker in workers:
+            try:
+                r = client.get(worker.url.rstrip("/") + "/metrics", headers=auth_headers(worker.api_key))
+                parsed = parse_engine_metrics(r.text) if r.status_code == 200 else None
+            except (httpx.HTTPError, ValueError) as exc:
+                logger.debug("scraping %s failed: %s", worker.url, exc)
+                parsed = None
+            for rank in worker.ranks.all():
+                values = _rank_values(parsed, rank.rank) if parsed is not None else None
+                if values is None:
+                    last = RankSample.objects.filter(rank=rank).order_by("-at", "-id").first()
+                    values = {name: getattr(last, name) for name in SAMPLE_FIELDS} if last else {}
+                    rows.append(RankSample(rank=rank, at=at, up=False, **{k: int(v) for k, v in values.items()}))
+                else:
+                    rows.append(RankSample(rank=rank, at=at, up=True,
+                                           **{k: int(values.get(k, 0)) for k in SAMPLE_FIELDS}))
+    RankSample.objects.bulk_create(rows)
+    notify_dashboard("scraped")
+    return len(rows)
+
+
+def prune(now=None) -> dict[str, int]:
+    """Delete samples and worker events past their retention."""
+    cp = settings.CONTROL_PLANE
+    now = now or timezone.now()
+    samples, _ = RankSample.objects.filter(at__lt=now - timedelta(seconds=cp["SAMPLE_RETENTION_S"])).delete()
+    events, _ = WorkerEvent.objects.filter(at__lt=now - timedelta(seconds=cp["EVENT_RETENTION_S"])).delete()
+    return {"samples": samples, "events": events}
+
+
+def _fetch_info(client: httpx.Client, worker: Worker) -> dict | None:
+    for path in ("/server_info", "/get_server_info"):
+        try:
+            r = client.get(worker.url.rstrip("/") + path, headers=auth_headers(worker.api_key))
+        except httpx.HTTPError:
+            return None
+        if r.status_code == 200:
+            try:
+                info = r.json()
+            except ValueError:
+                return None
+            return info if isinstance(info, dict) else None
+    return None
+
+
+def refresh_discovery(timeout: float = 10.0) -> dict[str, int]:
+    """Ask every discovered engine for its /server_info again and record what changed (a restart
+    with another dp_size, another model). Rank rows follow dp_size; router processes reinstall
+    the worker when they next sync from the database. Undiscovered workers are the health loop's
+    job (it discovers them as soon as they answer)."""
+    checked = changed = 0
+    with httpx.Client(timeout=timeout) as client:
+        for worker in Worker.objects.exclude(server_info={}):
+            info = _fetch_info(client, worker)
+            if info is None or info.get("foreign"):
+                continue
+            checked += 1
+            if info == worker.server_info:
+                continue
+            size = info.get("dp_size") or 1
+            if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+                continue
+            with transaction.atomic():
+                before = (worker.dp_size, worker.model_name)
+                worker.server_info, worker.dp_size = info, size
+                worker.model_id = str(info.get("model_id") or info.get("model_path") or worker.model_id)
+                worker.served_model_name = str(info.get("served_model_name") or worker.model_id)
+                worker.save()
+                ranks = list(range(size)) if worker.dp_aware else [None]
+                for row in worker.ranks.all():
+                    if row.rank not in ranks:
+                        row.delete()
+                for rank in ranks:
+                    Rank.objects.get_or_create(worker=worker, rank=rank)
+                if before != (worker.dp_size, worker.model_name):
+                    WorkerEvent.objects.create(worker=worker, kind=WorkerEvent.Kind.CHANGED,
+                                               detail=f"dp_size {before[0]} -> {size}, model {before[1]!r} -> "
+                                                      f"{worker.model_name!r}")
+            changed += 1
+    return {"checked": checked, "changed": changed}
+
+
+def notify_dashboard(reason: str) -> None:
+    """Tell every open dashboard (in any process, through the channel layer) to refresh now."""
+    from channels.layers import get_channel_layer
+
+    layer = get_channel_layer()
+    if layer is None:
+        return
+    try:
+        async_to_sync(layer.group_send)(DASHBOARD_GROUP, {"type": "fleet.changed", "reason": reason})
+    except Exception:  # a dashboard nudge must never fail the job
+        logger.debug("could not notify the dashboard", exc_info=True)
+
+
+def run_bench(run_id: int) -> dict:
+    """Run a BenchRun's workload against its router and store the result on the row."""
+    from apps.routing.benchjob import execute
+    from apps.routing.models import BenchRun
+
+    run = BenchRun.objects.get(id=run_id)
+    run.status = BenchRun.Status.RUNNING
+    run.save(update_fields=["status"])
+    notify_dashboard("bench")
+    started = time.monotonic()
+    try:
+        keys = [k.strip() for k in settings.CONTROL_PLANE["API_KEYS"].split(",") if k.strip()]
+        worker = Worker.objects.exclude(server_info={}).order_by("id").first()
+        run.result = execute(run.base_url, run.params, api_key=keys[0] if keys else None,
+                             server_info=worker.server_info if worker else None)
+        run.status = BenchRun.Status.DONE
+    except (Exception, SystemExit) as exc:  # the bench CLI exits on a bad target; a job must not
+        logger.exception("bench run %s failed", run_id)
+        run.status, run.error = BenchRun.Status.FAILED, f"{type(exc).__name__}: {exc}"
+    run.result["wall_s"] = round(time.monotonic() - started, 3)
+    run.finished_at = timezone.now()
+    run.save(update_fields=["status", "result", "error", "finished_at"])
+    notify_dashboard("bench")
+    return {"id": run.id, "status": run.status}
