@@ -35,6 +35,14 @@ async def fetch_server_info(client: httpx.AsyncClient, url: str, api_key: str = 
         raise DiscoveryError(f"cannot reach {url}: {exc}") from exc
 
 
+VOLATILE_KEYS = ("ranks",)  # live state in our engine's /server_info (pids, requests in flight)
+
+
+def stable_info(info: dict) -> dict:
+    """``info`` without its live state: what identifies the worker's configuration."""
+    return {k: v for k, v in (info or {}).items() if k not in VOLATILE_KEYS}
+
+
 def dp_size_of(info: dict) -> int:
     size = info.get("dp_size") or 1
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:

@@ -20,6 +20,7 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import close_old_connections
 
+from apps.replicas.discovery import stable_info
 from apps.routing import jobs
 
 logger = logging.getLogger(__name__)
@@ -74,7 +75,7 @@ def _db_workers() -> list:
 
 def _fingerprint(worker, rank_ids: dict) -> tuple:
     return (worker.url, worker.api_key, worker.dp_size, worker.dp_aware, worker.draining,
-            json.dumps(worker.server_info, sort_keys=True), tuple(sorted(rank_ids.items(), key=str)))
+            json.dumps(stable_info(worker.server_info), sort_keys=True), tuple(sorted(rank_ids.items(), key=str)))
 
 
 async def sync_fleet(router) -> None:

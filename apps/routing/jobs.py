@@ -19,7 +19,7 @@ from django.db import transaction
 from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
 
-from apps.replicas.discovery import auth_headers
+from apps.replicas.discovery import auth_headers, stable_info
 from apps.replicas.models import Rank, RankSample, Worker, WorkerEvent
 
 logger = logging.getLogger(__name__)
@@ -144,7 +144,7 @@ def refresh_discovery(timeout: float = 10.0) -> dict[str, int]:
             if info is None or info.get("foreign"):
                 continue
             checked += 1
-            if info == worker.server_info:
+            if stable_info(info) == stable_info(worker.server_info):
                 continue
             size = info.get("dp_size") or 1
             if not isinstance(size, int) or isinstance(size, bool) or size < 1:

@@ -62,6 +62,44 @@ def test_tasks_run_eagerly_in_process_without_a_broker(engine, settings):
     assert tasks.refresh_discovery.delay().get() == {"checked": 1, "changed": 0}
 
 
+@pytest.mark.django_db(transaction=True)
+async def test_discovery_refresh_follows_an_engine_restarted_with_another_dp_size(tmp_path):
+    """The refresh job records the change (Rank rows, an event); a router process that syncs from
+    the database then routes to the new ranks, keeping the surviving rank's load."""
+    from asgiref.sync import sync_to_async
+
+    from apps.replicas.models import Worker, WorkerEvent
+    from apps.replicas.services import worker_add
+    from apps.routing import background
+    from apps.routing.router import Router, RouterConfig
+    from tests.support.router_checks import start_engine_on
+
+    port = free_port()
+    router = Router(RouterConfig(dp_aware=True))
+    with start_engine_on(tmp_path, port, 1, "dp1") as engine:
+        worker = await worker_add(url=engine.url, router=router)
+        await background.sync_fleet(router)
+        assert [t.key for t in router.fleet.all_targets()] == [f"{engine.url}@0"]
+        assert await sync_to_async(jobs_refresh)() == {"checked": 1, "changed": 0}  # live state is not a change
+    router.fleet.all_targets()[0].load.begin(10, 0)  # a request in flight on rank 0 across the restart
+    with start_engine_on(tmp_path, port, 2, "dp2") as engine:
+        assert await sync_to_async(jobs_refresh)() == {"checked": 1, "changed": 1}
+        worker = await Worker.objects.aget(id=worker.id)
+        assert worker.dp_size == 2 and await worker.ranks.acount() == 2
+        event = await WorkerEvent.objects.filter(worker=worker, kind="changed").alatest("at")
+        assert "dp_size 1 -> 2" in event.detail
+        await background.sync_fleet(router)
+        assert sorted(t.key for t in router.fleet.all_targets()) == [f"{engine.url}@0", f"{engine.url}@1"]
+        assert router.fleet.all_targets()[0].load.requests == 1  # the surviving target kept its load
+        routed = router.route({"prompt": "hello", "max_tokens": 1}, False, None)
+        assert routed.target.rank == 1  # the idle new rank
+
+
+def jobs_refresh():
+    from apps.routing import jobs
+    return jobs.refresh_discovery()
+
+
 def test_the_router_process_runs_the_jobs_itself_without_a_broker(engine, tmp_path):
     port = free_port()
     db = tmp_path / "router.sqlite3"

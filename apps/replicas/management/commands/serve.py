@@ -24,6 +24,10 @@ class Command(BaseCommand):
         parser.add_argument("--port", type=int, default=8000, help="the router (what clients use)")
         parser.add_argument("--engine-port", type=int, default=8001)
         parser.add_argument("--policy", default=None, choices=["cache_aware", "round_robin", "random", "power_of_two"])
+        parser.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                            help="require 'Authorization: Bearer KEY' on the OpenAI endpoints (repeatable)")
+        parser.add_argument("--admin-key", action="append", default=None, metavar="KEY",
+                            help="Bearer key for the workers API's mutations (repeatable)")
         parser.add_argument("--engine-arg", action="append", default=[],
                             help="extra runengine flag, repeatable (e.g. --engine-arg=--num-kv-blocks=512)")
 
@@ -42,7 +46,7 @@ class Command(BaseCommand):
                   f"(dp_size {o['dp_size']}; the router discovers it when it is ready)\n")
         try:
             serve_router({"worker_urls": [engine_url], "dp_aware": True, "policy": o["policy"], "host": o["host"],
-                          "port": o["port"]}, on_ready=lambda: self.stdout.write(banner))
+                          "port": o["port"], "api_key": o["api_key"], "admin_key": o["admin_key"]}, on_ready=lambda: self.stdout.write(banner))
         finally:
             engine.send_signal(signal.SIGINT)
             try:
