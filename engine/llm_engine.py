@@ -121,8 +121,11 @@ class LLMEngine:
                 self.cache_stats.record(seq.num_prompt_tokens, seq.num_cached_tokens)
         prefills = batch.prefills
         if prefills:
+            # "cached" is the prefix-cache hit, reported with a prompt's first chunk; the later chunks
+            # of a chunked prefill start after tokens computed in earlier steps, which are no hit
+            cached = [p.start if p.start == p.seq.num_cached_tokens else 0 for p in prefills]
             self.log.info("Scheduled prefill batch: %d reqs, %d new tokens (cached: %s, new: %s), req_ids: %s",
-                          len(prefills), sum(p.num_tokens for p in prefills), [p.start for p in prefills],
+                          len(prefills), sum(p.num_tokens for p in prefills), cached,
                           [p.num_tokens for p in prefills], tuple(p.seq.seq_id for p in prefills))
 
     def _postprocess(self, batch: ScheduledBatch, tokens: list[int]) -> list[RequestOutput]:

@@ -38,6 +38,7 @@ _METRIC_MAP = {
     "dpmesh_engine_num_requests_waiting": "waiting",
     "dpmesh_engine_kv_blocks_used": "kv_blocks_used",
     "dpmesh_engine_kv_blocks_total": "kv_blocks_total",
+    "dpmesh_engine_rank_up": "rank_up",
     "vllm:request_success": "requests",
     "vllm:prefix_cache_queries": "prompt_tokens",
     "vllm:prefix_cache_hits": "cached_tokens",
@@ -100,8 +101,8 @@ def scrape_fleet(timeout: float = 5.0) -> int:
                     last = RankSample.objects.filter(rank=rank).order_by("-at", "-id").first()
                     values = {name: getattr(last, name) for name in SAMPLE_FIELDS} if last else {}
                     rows.append(RankSample(rank=rank, at=at, up=False, **{k: int(v) for k, v in values.items()}))
-                else:
-                    rows.append(RankSample(rank=rank, at=at, up=True,
+                else:  # the engine answered; a rank process that died reports rank_up 0
+                    rows.append(RankSample(rank=rank, at=at, up=bool(values.get("rank_up", 1)),
                                            **{k: int(values.get(k, 0)) for k in SAMPLE_FIELDS}))
     RankSample.objects.bulk_create(rows)
     notify_dashboard("scraped")

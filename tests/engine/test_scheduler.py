@@ -304,18 +304,28 @@ def test_scheduled_prefill_batch_lines(caplog):
     hit = engine.add_request("hit", p1 + random_ids(rng, 3), params)  # 23 tokens: 5 blocks hit
     fresh = engine.add_request("fresh", random_ids(rng, 10), params)
     engine.step()
-    long = engine.add_request("long", random_ids(rng, 40), params)
+    long_ids = random_ids(rng, 40)
+    long = engine.add_request("long", long_ids, params)
     while engine.has_unfinished_requests():
         engine.step()
     assert [line for line in engine_lines(caplog) if line.startswith("Scheduled")] == [
         f"Scheduled prefill batch: 2 reqs, 13 new tokens (cached: [20, 0], new: [3, 10]), "
         f"req_ids: ({hit.seq_id}, {fresh.seq_id})",
-        # chunked under the 16-token budget: "cached" is what already has KV before the chunk
+        # chunked under the 16-token budget: "cached" is the prefix-cache hit, so the continuation
+        # chunks (whose earlier tokens were computed in earlier steps, not found cached) show 0
         f"Scheduled prefill batch: 1 reqs, 16 new tokens (cached: [0], new: [16]), req_ids: ({long.seq_id},)",
-        f"Scheduled prefill batch: 1 reqs, 16 new tokens (cached: [16], new: [16]), req_ids: ({long.seq_id},)",
-        f"Scheduled prefill batch: 1 reqs, 8 new tokens (cached: [32], new: [8]), req_ids: ({long.seq_id},)",
+        f"Scheduled prefill batch: 1 reqs, 16 new tokens (cached: [0], new: [16]), req_ids: ({long.seq_id},)",
+        f"Scheduled prefill batch: 1 reqs, 8 new tokens (cached: [0], new: [8]), req_ids: ({long.seq_id},)",
     ]
     assert first.num_cached_tokens == 0 and hit.num_cached_tokens == 20
+    caplog.clear()
+    again = engine.add_request("again", long_ids[:32] + random_ids(rng, 20), params)  # 2 blocks hit, then 20 new
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert [line for line in engine_lines(caplog) if line.startswith("Scheduled")] == [
+        f"Scheduled prefill batch: 1 reqs, 16 new tokens (cached: [32], new: [16]), req_ids: ({again.seq_id},)",
+        f"Scheduled prefill batch: 1 reqs, 4 new tokens (cached: [0], new: [4]), req_ids: ({again.seq_id},)",
+    ]
 
 
 def test_log_prefix_names_the_rank(caplog):

@@ -106,6 +106,8 @@ dpmesh_engine_cached_tokens_total{rank="1"} 0.0
 # TYPE dpmesh_engine_kv_blocks_total gauge
 dpmesh_engine_kv_blocks_total{rank="0"} 64.0
 dpmesh_engine_kv_blocks_total{rank="1"} 64.0
+# TYPE dpmesh_engine_rank_up gauge
+dpmesh_engine_rank_up{rank="1"} 0.0
 """
 
 VLLM_TEXT = """# TYPE vllm:prefix_cache_queries counter
@@ -122,7 +124,7 @@ vllm:request_success_total{engine="0",finished_reason="length",model_name="m"} 2
 def test_engine_metrics_parse_ours_and_vllms():
     ours = jobs.parse_engine_metrics(ENGINE_TEXT)
     assert ours[0] == {"prompt_tokens": 1000.0, "cached_tokens": 700.0, "kv_blocks_total": 64.0}
-    assert ours[1]["prompt_tokens"] == 50.0
+    assert ours[1]["prompt_tokens"] == 50.0 and ours[1]["rank_up"] == 0.0  # a dead rank process
     vllm = jobs.parse_engine_metrics(VLLM_TEXT)
     assert vllm[0] == {"prompt_tokens": 300.0, "cached_tokens": 120.0, "requests": 5.0}
     assert vllm[1] == {"prompt_tokens": 100.0}
