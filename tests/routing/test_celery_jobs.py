@@ -8,6 +8,7 @@
 """
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import signal
@@ -150,12 +151,33 @@ def staff_session(router_url: str, user: str, password: str) -> httpx.Client:
     return client
 
 
+async def dashboard_snapshots(router_url: str, cookies, seconds: float) -> list[dict]:
+    """Snapshots the dashboard websocket pushes within ``seconds`` (logged in by ``cookies``)."""
+    import aiohttp
+    cookie = "; ".join(f"{name}={value}" for name, value in cookies.items())
+    out = []
+    async with aiohttp.ClientSession() as session:
+        async with session.ws_connect(router_url.replace("http", "ws") + "/ws/dashboard/",
+                                      headers={"Origin": router_url, "Cookie": cookie}) as ws:
+            deadline = asyncio.get_running_loop().time() + seconds
+            while (left := deadline - asyncio.get_running_loop().time()) > 0:
+                try:
+                    message = await ws.receive_json(timeout=left)
+                except asyncio.TimeoutError:
+                    break
+                if message.get("type") == "snapshot":
+                    out.append(message)
+    return out
+
+
 def test_a_real_celery_worker_on_redis_runs_the_jobs(engine, tmp_path, postgres_db, redis_db):
     env = {**os.environ, "DATABASE_URL": postgres_db, "REDIS_URL": redis_db, "CONTROL_PLANE_SCRAPE_INTERVAL_S": "1",
            "DJANGO_SUPERUSER_USERNAME": "ops", "DJANGO_SUPERUSER_PASSWORD": "celery-test-pw-1"}
     port = free_port()
     cmd = [sys.executable, "manage.py", "runrouter", "--worker-urls", engine.url, "--dp-aware", "--port", str(port)]
-    with start(cmd, f"http://127.0.0.1:{port}", tmp_path / "router.log", env=env) as router:
+    # the router's own dashboard timer is slow (30 s): faster pushes can only be the worker's nudges
+    router_env = {**env, "CONTROL_PLANE_SCRAPE_INTERVAL_S": "30"}
+    with start(cmd, f"http://127.0.0.1:{port}", tmp_path / "router.log", env=router_env) as router:
         assert "periodic jobs on the Celery worker" in router.log()
         send_some(router.url)
         time.sleep(2.5)  # more than two scrape intervals: the router itself must not scrape
@@ -176,8 +198,13 @@ def test_a_real_celery_worker_on_redis_runs_the_jobs(engine, tmp_path, postgres_
             assert [(rank, p, c) for rank, p, c in latest] == [
                 (r, m[("prompt_tokens", r)], m[("cached_tokens", r)]) for r in range(DP)]
 
-            # the dashboard's on-demand bench: queued through Redis, run by the worker, stored in Postgres
+            # every scrape on the worker nudges the router's dashboards through the Redis channel layer
             client = staff_session(router.url, "ops", "celery-test-pw-1")
+            snapshots = asyncio.run(dashboard_snapshots(router.url, client.cookies, seconds=5))
+            assert len(snapshots) >= 3, len(snapshots)  # one on connect, then one per nudge (~1 s)
+            assert snapshots[-1]["workers"][0]["ranks"][0]["engine_prompt_tokens"] is not None
+
+            # the dashboard's on-demand bench: queued through Redis, run by the worker, stored in Postgres
             token = client.cookies["csrftoken"]
             r = client.post("/dashboard/bench", json={"dataset": "prefix_repetition", "num_prompts": 15,
                                                       "max_concurrency": 4}, headers={"X-CSRFToken": token})
