@@ -54,6 +54,14 @@ class Upstream:
             self.client, self.loop = httpx.AsyncClient(limits=limits, timeout=timeout), loop
         return self.client
 
+    async def aclose(self) -> None:
+        """Close the client if it belongs to the running loop; a client of another (finished)
+        loop cannot be closed from this one, so it is only dropped."""
+        client, loop = self.client, self.loop
+        self.client = self.loop = None
+        if client is not None and loop is asyncio.get_running_loop():
+            await client.aclose()
+
 
 upstream = Upstream()  # discovery and health checks
 
@@ -95,9 +103,11 @@ class ProxyClient:
         return self.session
 
     async def aclose(self) -> None:
-        if self.session is not None:
-            await self.session.close()
+        """As ``Upstream.aclose``: close on the owning loop, drop otherwise."""
+        session, loop = self.session, self.loop
         self.session = self.loop = None
+        if session is not None and loop is asyncio.get_running_loop():
+            await session.close()
 
     async def post(self, config, url: str, data: bytes, headers: dict) -> ProxyResponse:
         return ProxyResponse(await self.get(config).post(url, data=data, headers=headers))

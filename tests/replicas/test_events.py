@@ -69,9 +69,7 @@ async def test_health_transitions_are_recorded():
             await check_worker(router, view)  # a removed worker's transition writes nothing (and does not fail)
             assert not view.healthy and await WorkerEvent.objects.acount() == 0
         finally:
-            if upstream.client is not None:
-                await upstream.client.aclose()
-                upstream.client = upstream.loop = None
+            await upstream.aclose()
 
 
 async def sync_kinds(worker_id: int) -> list[tuple[str, str]]:

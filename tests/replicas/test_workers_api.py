@@ -44,9 +44,7 @@ async def router():
     fresh = set_router(Router(RouterConfig(dp_aware=True)))
     yield fresh
     set_router(saved)
-    if upstream.client is not None:  # bound to this test's event loop
-        await upstream.client.aclose()
-        upstream.client = upstream.loop = None
+    await upstream.aclose()  # bound to this test's event loop
     await proxy_client.aclose()
 
 
