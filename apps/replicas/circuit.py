@@ -17,6 +17,7 @@ class CircuitBreaker:
         self.failures: deque[float] = deque()
         self.opened_at: float | None = None
         self.successes = 0
+        self.trial_in_flight = False  # half-open: one request at a time tests the target
         self._state = self.CLOSED
 
     @property
@@ -26,13 +27,26 @@ class CircuitBreaker:
         return self._state
 
     def allows(self) -> bool:
-        return self.state != self.OPEN
+        state = self.state
+        return state == self.CLOSED or (state == self.HALF_OPEN and not self.trial_in_flight)
+
+    def dispatched(self) -> bool:
+        """A request was sent to the target: when half-open it is the trial, and no other request
+        is allowed until ``trial_done``. Returns whether it is the trial."""
+        if self.state == self.HALF_OPEN:
+            self.trial_in_flight = True
+            return True
+        return False
+
+    def trial_done(self) -> None:
+        """The trial request ended (whatever its outcome; success and failure are recorded apart)."""
+        self.trial_in_flight = False
 
     def record_success(self) -> None:
         if self.state == self.HALF_OPEN:
             self.successes += 1
             if self.successes >= self.success_threshold:
-                self._state = self.CLOSED
+                self._state, self.trial_in_flight = self.CLOSED, False
                 self.failures.clear()
 
     def record_failure(self) -> None:
@@ -47,5 +61,5 @@ class CircuitBreaker:
             self._open(now)
 
     def _open(self, now: float) -> None:
-        self._state, self.opened_at = self.OPEN, now
+        self._state, self.opened_at, self.trial_in_flight = self.OPEN, now, False
         self.failures.clear()

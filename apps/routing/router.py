@@ -69,6 +69,7 @@ class Routed:
     finished: bool = field(default=False)
     started: float = field(default_factory=time.perf_counter)
     first_token_seen: bool = field(default=False)
+    trial: bool = field(default=False)  # the half-open circuit's one trial request
 
 
 class Router:
@@ -121,7 +122,7 @@ class Router:
         ticket = target.load.begin(shape.prompt_tokens, shape.prompt_tokens - predicted, continues or chat)
         self.index.insert(target.key, shape.digests)
         self.stats.dispatched(target.key, shape.prompt_tokens, predicted)
-        return Routed(target, shape, predicted, ticket)
+        return Routed(target, shape, predicted, ticket, trial=target.breaker.dispatched())
 
     def _match(self, body: dict, chat: bool, candidates: list[Target]):
         """The request's shape for each candidate (workers may differ in tokenizer or block size:
@@ -162,6 +163,8 @@ class Router:
         self.stats.latency.observe(time.perf_counter() - routed.started)
         if ok:
             routed.target.breaker.record_success()
+        if routed.trial:
+            routed.target.breaker.trial_done()
         cached = None
         if usage:
             details = usage.get("prompt_tokens_details") or {}

@@ -86,3 +86,28 @@ def test_success_threshold_successes_close(breaker, clock):
     assert breaker.state == "closed"
     fail(breaker, clock, 1)
     assert breaker.state == "open"
+
+
+def test_half_open_lets_one_trial_through_at_a_time(breaker, clock):
+    fail(breaker, clock, 0, 1, 2)
+    clock.now += 30.0
+    assert breaker.allows() and breaker.dispatched()  # the trial
+    assert breaker.state == "half_open" and not breaker.allows()  # everyone else waits for it
+    breaker.record_success()
+    breaker.trial_done()
+    assert breaker.allows() and breaker.dispatched()  # the next trial
+    breaker.record_success()
+    breaker.trial_done()
+    assert breaker.state == "closed" and breaker.allows() and not breaker.dispatched()  # closed: no trials
+    assert breaker.allows()
+
+
+def test_a_failed_trial_opens_again_and_a_trial_without_outcome_frees_the_slot(breaker, clock):
+    fail(breaker, clock, 0, 1, 2)
+    clock.now += 30.0
+    assert breaker.dispatched()
+    breaker.trial_done()  # e.g. the client went away: neither success nor failure
+    assert breaker.state == "half_open" and breaker.allows()
+    assert breaker.dispatched()
+    breaker.record_failure()
+    assert breaker.state == "open" and not breaker.allows() and not breaker.trial_in_flight

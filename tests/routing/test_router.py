@@ -118,6 +118,24 @@ def test_a_successful_finish_closes_a_half_open_circuit(tiny_path):
     assert target.breaker.state == "closed"
 
 
+def test_a_half_open_target_takes_one_trial_request_at_a_time(tiny_path):
+    router = make_router(tiny_path, workers=((1, "tiny", 2),))
+    sick, healthy = router.fleet.all_targets()
+    sick.breaker.failure_threshold, sick.breaker.open_s, sick.breaker.success_threshold = 1, 0.0, 2
+    sick.breaker.record_failure()
+    routed = router.route({"prompt": "x"}, False, None, exclude={healthy.key})
+    assert routed.target is sick and routed.trial
+    others = [router.route({"prompt": "x"}, False, None) for _ in range(3)]
+    assert all(r.target is healthy and not r.trial for r in others)  # no second trial while one runs
+    router.finish(routed, ok=False)  # ended without success (the proxy records upstream failures itself)
+    again = router.route({"prompt": "x"}, False, None, exclude={healthy.key})
+    assert again.target is sick and again.trial  # the slot is free again
+    router.finish(again, ok=True)
+    for r in others:
+        router.finish(r, ok=True)
+    assert sick.breaker.state == "half_open" and sick.breaker.allows()
+
+
 def test_empty_prompt_is_not_predicted_negative(tiny_path):
     """The engine answers 400 to an empty prompt, but the router routes (and counts) it first."""
     router = make_router(tiny_path)
