@@ -10,6 +10,7 @@ keys are configured (apps/replicas/auth.py) a request without one of them is ans
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 
@@ -101,13 +102,16 @@ async def forward(body: dict, chat: bool, path: str, send) -> None:
             await events.aclose()
         await end_body(send)
         return
-    ok, content = False, b""
+    ok, aborted, content = False, False, b""
     try:
         content = await response.aread()
         ok = response.status_code < 400
+    except asyncio.CancelledError:  # the client left while the answer was being read
+        aborted = True
+        raise
     finally:
         await response.aclose()
-        router.finish(routed, ok=ok, usage=_usage(content) if ok else None)
+        router.finish(routed, ok=ok, usage=_usage(content) if ok else None, aborted=aborted)
     await send_body(send, response.status_code, content, content_type.encode(), headers)
 
 

@@ -12,6 +12,7 @@ _TARGET_COUNTERS = [
     ("predicted_cached_tokens", "Prompt tokens the router's prefix index expected to be cached", "predicted_tokens"),
     ("reported_cached_tokens", "Prompt tokens the engine reported as cached", "cached_tokens"),
     ("errors", "Requests that failed on the target", "errors"),
+    ("aborted", "Requests whose client went away before the answer ended", "aborted"),
 ]
 
 

@@ -154,8 +154,8 @@ async def open_upstream(router: Router, body: dict, *, chat: bool, path: str,
             raise ProxyError(504, f"upstream {routed.target.key} timed out: {exc!r}", "server_error") from exc
         except aiohttp.ClientError as exc:
             last = ProxyError(502, f"upstream {routed.target.key} unreachable: {exc!r}", "server_error")
-        except BaseException:
-            router.finish(routed, ok=False)
+        except BaseException as exc:  # the client left (cancelled) or worse
+            router.finish(routed, ok=False, aborted=isinstance(exc, asyncio.CancelledError))
             raise
         else:
             if response.status_code not in RETRYABLE or attempt == config.max_retries:
@@ -197,7 +197,7 @@ async def relay(router: Router, routed: Routed, response: ProxyResponse, client_
     """Yield the upstream's SSE events as they arrive; end the load however the stream ends."""
     buffer = b""
     usage = None
-    ok = False
+    ok = aborted = False
     try:
         async for chunk in response.aiter_raw():
             buffer += chunk
@@ -217,6 +217,9 @@ async def relay(router: Router, routed: Routed, response: ProxyResponse, client_
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
         error = ProxyError(502, f"upstream {routed.target.key} failed mid-stream: {exc!r}", "server_error")
         yield b"data: " + error.body() + b"\n\ndata: [DONE]\n\n"
+    except (asyncio.CancelledError, GeneratorExit):  # the client left mid-stream
+        aborted = True
+        raise
     finally:
-        router.finish(routed, ok=ok, usage=usage)
+        router.finish(routed, ok=ok, usage=usage, aborted=aborted)
         await response.aclose()

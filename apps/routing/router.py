@@ -154,8 +154,9 @@ class Router:
             routed.first_token_seen = True
             self.stats.ttft.observe(time.perf_counter() - routed.started)
 
-    def finish(self, routed: Routed, *, ok: bool, usage: dict | None = None) -> None:
-        """End the request's load (idempotent) and record what the engine reported."""
+    def finish(self, routed: Routed, *, ok: bool, usage: dict | None = None, aborted: bool = False) -> None:
+        """End the request's load (idempotent) and record what the engine reported; ``aborted``:
+        the client left first (counted apart from the target's errors)."""
         if routed.finished:
             return
         routed.finished = True
@@ -169,7 +170,7 @@ class Router:
         if usage:
             details = usage.get("prompt_tokens_details") or {}
             cached = details.get("cached_tokens")
-        self.stats.finished(routed.target.key, ok=ok, cached_tokens=cached)
+        self.stats.finished(routed.target.key, ok=ok, cached_tokens=cached, aborted=aborted and not ok)
 
 
 _router: Router | None = None

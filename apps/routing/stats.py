@@ -11,6 +11,7 @@ class TargetStats:
     predicted_tokens: int = 0  # prompt tokens the router's index expected the engine to have cached
     completed: int = 0
     errors: int = 0
+    aborted: int = 0  # the client went away first: not the target's fault
     reported: int = 0  # completed requests whose engine reported usage
     cached_tokens: int = 0  # prompt tokens the engine reported as cached
 
@@ -72,8 +73,11 @@ class RouterStats:
         s.prompt_tokens += prompt_tokens
         s.predicted_tokens += predicted_tokens
 
-    def finished(self, key: str, *, ok: bool, cached_tokens: int | None) -> None:
+    def finished(self, key: str, *, ok: bool, cached_tokens: int | None, aborted: bool = False) -> None:
         s = self._get(key)
+        if aborted:
+            s.aborted += 1
+            return
         if not ok:
             s.errors += 1
             return

@@ -55,7 +55,7 @@ def test_route_commits_load_and_index_and_the_repeat_is_predicted(tiny_path, cha
     assert (load.requests, load.pending_prefill_tokens) == (1, 11)
     router.finish(second, ok=True, usage={"prompt_tokens_details": {"cached_tokens": 32}})
     stats = router.stats.targets[key].as_dict()
-    assert stats == {"requests": 2, "prompt_tokens": 86, "predicted_tokens": 32, "completed": 2, "errors": 0,
+    assert stats == {"requests": 2, "prompt_tokens": 86, "predicted_tokens": 32, "completed": 2, "errors": 0, "aborted": 0,
                      "reported": 2, "cached_tokens": 32}
     assert load.idle
 

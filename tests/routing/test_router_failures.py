@@ -221,8 +221,11 @@ def test_client_disconnect_mid_stream_aborts_the_engine_request(cluster):
     with httpx.Client(base_url=cluster.url, timeout=30) as client:
         with client.stream("POST", "/v1/chat/completions", json=body) as r:
             assert r.status_code == 200
-            server, rank = engine_of(cluster, r.headers["x-routed-target"])
+            target = r.headers["x-routed-target"]
+            server, rank = engine_of(cluster, target)
             before = procs.metrics(server.url)
+            errors_before = counter(cluster.url, "dpmesh_router_errors_total", target)
+            aborted_before = counter(cluster.url, "dpmesh_router_aborted_total", target)
             lines = r.iter_lines()  # (closing this iterator would close the connection)
             assert sum(next(lines).startswith("data: ") for _ in range(10)) == 5
             # the ranks publish their stats every 0.25 s
@@ -237,11 +240,16 @@ def test_client_disconnect_mid_stream_aborts_the_engine_request(cluster):
     assert wait_for(aborted, timeout=5), procs.metrics(server.url)
     assert procs.metrics(server.url)[("requests", rank)] == before[("requests", rank)], "it must not have finished"
     assert_idle(cluster.url)
+    # the client left: counted as aborted, not as the target's error
+    assert counter(cluster.url, "dpmesh_router_aborted_total", target) == aborted_before + 1
+    assert counter(cluster.url, "dpmesh_router_errors_total", target) == errors_before
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_client_disconnect_before_the_first_byte_releases_load(cluster, standin, stream):
     s = standin(dp_size=1, default=Behaviour(head_delay_s=REQUEST_TIMEOUT_S - 1))
+    aborted_before = counter(cluster.url, "dpmesh_router_aborted_total")
+    errors_before = counter(cluster.url, "dpmesh_router_errors_total")
     t0 = time.monotonic()
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(cluster.url + "/v1/completions", json=body_for(s.model, chat=False, stream=stream), timeout=0.5)
@@ -250,6 +258,8 @@ def test_client_disconnect_before_the_first_byte_releases_load(cluster, standin,
                                                           "not when the upstream answers"
     assert wait_for(lambda: s.received[0].disconnected, timeout=2), "the upstream request must be abandoned too"
     assert len(s.received) == 1
+    assert counter(cluster.url, "dpmesh_router_aborted_total") == aborted_before + 1
+    assert counter(cluster.url, "dpmesh_router_errors_total") == errors_before
 
 
 def test_a_burst_of_new_sessions_is_spread_over_idle_ranks(cluster, standin):
