@@ -64,4 +64,5 @@ def view_of(worker, tokenizer_path: str | None = None) -> WorkerView:
                       model_aliases=aliases, dp_size=worker.dp_size, dp_aware=worker.dp_aware,
                       block_size=block if path else None, tokenizer_path=path,
                       capacity_blocks=info.get("num_kv_blocks_per_rank"), draining=worker.draining,
+                      instance_id=info.get("instance_id"),
                       healthy=worker.health != worker.Health.UNHEALTHY)

@@ -26,6 +26,7 @@ class WorkerView:
     capacity_blocks: int | None
     healthy: bool = True
     draining: bool = False
+    instance_id: str | None = None  # changes when the engine restarts (its prefix caches are then empty)
     consecutive_failures: int = 0
     consecutive_successes: int = 0
 

@@ -18,18 +18,28 @@ from apps.routing.router import Router, get_router
 logger = logging.getLogger(__name__)
 
 
-async def probe(client: httpx.AsyncClient, view: WorkerView, timeout: float) -> str | None:
-    """None when healthy, else why not."""
+async def probe(client: httpx.AsyncClient, view: WorkerView, timeout: float) -> tuple[str | None, str | None]:
+    """(None when healthy, else why not; the engine's instance id when its /health says it)."""
     try:
         r = await client.get(view.url + "/health", headers=auth_headers(view.api_key), timeout=timeout)
     except httpx.HTTPError as exc:
-        return f"unreachable: {exc!r}"
-    return None if r.status_code == 200 else f"/health answered {r.status_code}: {r.text[:200]}"
+        return f"unreachable: {exc!r}", None
+    if r.status_code != 200:
+        return f"/health answered {r.status_code}: {r.text[:200]}", None
+    try:
+        body = r.json()
+    except ValueError:  # any OpenAI server's /health will do: a body is optional
+        return None, None
+    instance = body.get("instance_id") if isinstance(body, dict) else None
+    return None, instance if isinstance(instance, str) else None
 
 
 async def check_worker(router: Router, view: WorkerView) -> None:
     cfg = router.config
-    problem = await probe(upstream.get(cfg), view, timeout=min(5.0, cfg.health_check_interval_s))
+    problem, instance = await probe(upstream.get(cfg), view, timeout=min(5.0, cfg.health_check_interval_s))
+    if problem is None and instance and view.instance_id and instance != view.instance_id:
+        await rediscover(router, view)
+        view = router.fleet.workers.get(view.worker_id, view)
     if problem is None:
         view.consecutive_failures, view.consecutive_successes = 0, view.consecutive_successes + 1
         if not view.healthy and view.consecutive_successes >= cfg.health_success_threshold:
@@ -42,6 +52,17 @@ async def check_worker(router: Router, view: WorkerView) -> None:
             view.healthy = False
             logger.warning("worker %s taken out: %s", view.url, problem)
             await _persist(view, Worker.Health.UNHEALTHY, problem)
+
+
+async def rediscover(router: Router, view: WorkerView) -> None:
+    """Another engine instance answers at the worker's URL (a restart: its prefix caches are
+    empty, maybe its dp_size changed). Discover it again now; ``install`` forgets the index."""
+    from apps.replicas.services import worker_add
+    logger.info("worker %s answers with another instance id: rediscovering", view.url)
+    try:
+        await worker_add(url=view.url, api_key=view.api_key, dp_aware=view.dp_aware, router=router)
+    except Exception as exc:  # not answering /server_info yet: the next round tries again
+        logger.warning("rediscovering %s failed: %s", view.url, exc)
 
 
 async def _persist(view: WorkerView, health: str, detail: str) -> None:

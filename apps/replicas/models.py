@@ -66,6 +66,7 @@ class WorkerEvent(models.Model):
         DRAINING = "draining"
         UNDRAINED = "undrained"
         CHANGED = "changed"  # /server_info changed (dp_size, model)
+        RESTARTED = "restarted"  # another engine instance answers at the URL: its caches are empty
 
     worker = models.ForeignKey(Worker, on_delete=models.CASCADE, related_name="events")
     at = models.DateTimeField(auto_now_add=True, db_index=True)

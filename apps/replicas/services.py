@@ -31,7 +31,7 @@ def _save_worker(*, url: str, api_key: str, dp_aware: bool, info: dict | None) -
     worker, _ = Worker.objects.select_for_update().get_or_create(url=url, defaults={"api_key": api_key,
                                                                                    "dp_aware": dp_aware})
     worker.api_key, worker.dp_aware = api_key or worker.api_key, dp_aware
-    before = (bool(worker.server_info), worker.dp_size, worker.model_name)
+    before = (bool(worker.server_info), worker.dp_size, worker.model_name, worker.server_info.get("instance_id"))
     if info is not None:
         worker.server_info = info
         worker.dp_size = dp_size_of(info)
@@ -54,13 +54,16 @@ def _save_worker(*, url: str, api_key: str, dp_aware: bool, info: dict | None) -
     return worker, rank_ids
 
 
-def _record_discovery(worker: Worker, was_discovered: bool, dp_size: int, model: str) -> None:
-    """A ``discovered`` event the first time /server_info is read, ``changed`` when a refresh finds
-    another dp_size or model."""
+def _record_discovery(worker: Worker, was_discovered: bool, dp_size: int, model: str, instance: str | None) -> None:
+    """A ``discovered`` event the first time /server_info is read, ``restarted`` when the engine's
+    instance id changed, ``changed`` when a refresh finds another dp_size or model."""
     if not was_discovered:
         WorkerEvent.objects.create(worker=worker, kind=WorkerEvent.Kind.DISCOVERED,
                                    detail=f"model {worker.model_name}, dp_size {worker.dp_size}")
         return
+    if instance and worker.server_info.get("instance_id") not in (None, instance):
+        WorkerEvent.objects.create(worker=worker, kind=WorkerEvent.Kind.RESTARTED,
+                                   detail="the engine restarted: its prefix caches start empty")
     changes = [f"{what} {old} -> {new}" for what, old, new in (("dp_size", dp_size, worker.dp_size),
                                                                ("model", model, worker.model_name)) if old != new]
     if changes:
@@ -71,10 +74,17 @@ def install(router: Router, worker: Worker, rank_ids: dict) -> None:
     """Put a discovered worker's targets into the router."""
     if not worker.server_info:
         return  # not discovered yet: the health loop keeps trying
+    old = router.fleet.workers.get(worker.id)
     before = {t.key for t in router.fleet.targets.get(worker.id, [])}
-    targets = router.fleet.put(view_of(worker, router.config.tokenizer_path), rank_ids)
-    for key in before - {t.key for t in targets}:  # dp_size or dp-awareness changed
+    view = view_of(worker, router.config.tokenizer_path)
+    # a restarted engine has empty prefix caches: what the index believes about it is wrong now
+    restarted = old is not None and old.instance_id is not None and view.instance_id != old.instance_id
+    targets = router.fleet.put(view, rank_ids)
+    stale = before if restarted else before - {t.key for t in targets}  # emptied, or gone (dp_size changed)
+    for key in stale:
         router.index.remove_rank(key)
+    if restarted:
+        logger.info("worker %s restarted: forgetting what its ranks had cached", worker.url)
     for target in targets:
         router.index.set_capacity(target.key, target.worker.capacity_blocks)
 

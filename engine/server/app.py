@@ -82,7 +82,8 @@ class EngineApp:
     # ----- plain endpoints ---------------------------------------------------------------------
     async def health(self, scope, receive, send):
         if self.client.healthy:
-            await send_json(send, 200, {"status": "ok", "dp_size": self.client.dp_size})
+            await send_json(send, 200, {"status": "ok", "dp_size": self.client.dp_size,
+                                        "instance_id": self.info.get("instance_id")})
         else:
             await send_json(send, 503, {"status": "unavailable", "reason": self.client.health_reason()})
 

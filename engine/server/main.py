@@ -6,6 +6,7 @@ import logging
 import os
 import sys
 import threading
+import uuid
 
 logger = logging.getLogger("engine.front")
 
@@ -104,6 +105,8 @@ def server_info(args, client, model_path: str, dp_size: int, tp_size: int) -> di
         "num_kv_blocks_per_rank": first.num_kv_blocks, "max_model_len": first.max_model_len,
         "dp_load_balance": args.dp_load_balance, "enable_prefix_caching": True,
         "prefix_digest": "xxh64-chained/parent-u64le+tokens-i32le/seed0",
+        # new at every start: a router that sees it change knows the prefix caches are empty
+        "instance_id": uuid.uuid4().hex,
     }
 
 

@@ -104,6 +104,8 @@ def test_server_info_and_models(engine):
     assert httpx.get(engine.url + "/get_server_info").json()["dp_size"] == DP
     assert httpx.get(engine.url + "/v1/models").json()["data"][0]["id"] == "tiny"
     assert httpx.get(engine.url + "/health").status_code == 200
+    # one id per engine start, on both: routers compare it to notice a restart (empty caches)
+    assert len(info["instance_id"]) == 32 and httpx.get(engine.url + "/health").json()["instance_id"] == info["instance_id"]
 
 
 BAD_INPUTS = [
