@@ -56,6 +56,8 @@ async def startup(router, worker_urls: list[str], policy_flag: str | None = None
     """Restore the fleet from the database, add ``worker_urls`` (discovered now or, if not up
     yet, by the health loop), adopt the recorded policy unless ``--policy`` was given, and start
     the background loops (with no broker, the periodic jobs run here too)."""
+    from django.conf import settings
+
     from apps.replicas.health import health_loop
     from apps.replicas.services import fleet_restore, worker_add
     from apps.routing import background
@@ -68,10 +70,21 @@ async def startup(router, worker_urls: list[str], policy_flag: str | None = None
     loops = [health_loop(router), stats_loop(router), background.sync_loop(router)]
     if background.embedded():
         loops.append(background.embedded_jobs_loop())
+    tasks = []
+    if settings.REDIS_URL and settings.CONTROL_PLANE["SHARE_INDEX"]:
+        from apps.routing.shared_index import IndexSync
+        # one channel per control plane: the processes that share a database share an index
+        channel = f"dpmesh:index:{settings.DATABASES['default']['NAME']}"
+        router.index_sync = IndexSync(router, settings.REDIS_URL, channel)
+        tasks = router.index_sync.start()
     logger.info("router ready: %d workers restored, %d given; policy %s, %s; periodic jobs %s", restored,
                 len(worker_urls), router.config.policy, "dp-aware" if router.config.dp_aware else "worker-level",
                 "in this process" if background.embedded() else "on the Celery worker (REDIS_URL)")
-    return [asyncio.ensure_future(loop) for loop in loops]
+    if router.index_sync is not None:
+        logger.info("prefix index shared with the other router processes through Redis")
+    # the loop keeps only weak references to tasks: the router holds them for the process's life
+    router.background_tasks = tasks + [asyncio.ensure_future(loop) for loop in loops]
+    return router.background_tasks
 
 
 def serve_router(opts: dict, on_ready=None) -> None:

@@ -67,6 +67,12 @@ class RouterCollector:
             family.add_metric([], hist.cumulative(), sum_value=hist.sum)
             yield family
         yield _policy_info(self.router)
+        sync = self.router.index_sync
+        if sync is not None:
+            yield CounterMetricFamily(f"{PREFIX}_index_sync_published", "Prefix-index inserts published to the "
+                                      "other router processes", value=sync.published)
+            yield CounterMetricFamily(f"{PREFIX}_index_sync_applied", "Prefix-index inserts received from the "
+                                      "other router processes and applied here", value=sync.applied)
         yield CounterMetricFamily(f"{PREFIX}_retries", "Upstream attempts retried on another target",
                                   value=self.router.stats.retries)
         yield CounterMetricFamily(f"{PREFIX}_no_target", "Requests refused because no target was available",

@@ -81,6 +81,9 @@ class Router:
         self.stats = RouterStats()
         self.policy: Policy = self._make_policy(self.config.policy)
         self.db_fingerprints: dict[int, tuple] = {}  # worker id -> what was installed (background.sync_fleet)
+        self.index_listeners: list = []  # called with (target key, digests) after each routed insert
+        self.index_sync = None  # apps.routing.shared_index.IndexSync when several processes share (REDIS_URL)
+        self.background_tasks: list = []  # the process's loops (apps/replicas/serving.py startup)
 
     def _make_policy(self, name: str) -> Policy:
         if name == "cache_aware":
@@ -121,6 +124,8 @@ class Router:
         continues = matched.get(target.key, 0) > shared
         ticket = target.load.begin(shape.prompt_tokens, shape.prompt_tokens - predicted, continues or chat)
         self.index.insert(target.key, shape.digests)
+        for listener in self.index_listeners:
+            listener(target.key, shape.digests)
         self.stats.dispatched(target.key, shape.prompt_tokens, predicted)
         return Routed(target, shape, predicted, ticket, trial=target.breaker.dispatched())
 
