@@ -1,8 +1,9 @@
 """The dashboard's data: one JSON snapshot of the fleet, pushed over the websocket.
 
 Two sources side by side, per rank:
-- the router's own view, from this process's memory: requests it dispatched, prompt tokens, the
-  tokens its prefix index predicted cached, load in flight, circuit state;
+- the routers' view: requests dispatched, prompt tokens, the tokens the prefix index predicted
+  cached (the Rank rows every router process adds to, plus what this process has not written
+  yet), and this process's load in flight and circuit state;
 - the engine's view, from the latest scrape of the engine's /metrics (``RankSample`` rows
   written by the scrape job): requests finished, prompt and cached tokens, KV blocks.
 The engine hit rate is the engine's cumulative cached / prompt tokens, exactly what its /metrics
@@ -19,6 +20,7 @@ from django.conf import settings
 from django.utils import timezone
 
 from apps.replicas.models import RankSample, Worker
+from apps.routing.persist import unpersisted
 
 
 def _rate(num, den):
@@ -73,7 +75,6 @@ def build_snapshot(router) -> dict:
     rank_rows = {(row.worker_id, row.rank): row for w in workers for row in w.ranks.all()}
     latest = _latest_samples([row.id for row in rank_rows.values()])
     targets = {t.key: t for t in router.fleet.all_targets()}
-    stats = router.stats.targets
     fleet = dict.fromkeys(("requests", "prompt_tokens", "predicted_tokens", "engine_requests", "engine_prompt_tokens",
                            "engine_cached_tokens", "inflight_requests"), 0)
     worker_rows, rank_keys = [], {}
@@ -84,10 +85,12 @@ def build_snapshot(router) -> dict:
         for row in sorted(w.ranks.all(), key=lambda r: -1 if r.rank is None else r.rank):
             key = w.url.rstrip("/") if row.rank is None else f"{w.url.rstrip('/')}@{row.rank}"
             rank_keys[row.id] = key
-            target, s, sample = targets.get(key), stats.get(key), latest.get(row.id)
-            requests = s.requests if s else row.requests
-            prompt = s.prompt_tokens if s else row.prompt_tokens
-            predicted = s.predicted_tokens if s else row.predicted_tokens
+            target, sample = targets.get(key), latest.get(row.id)
+            # every router process's persisted counts, plus what this one has not written yet
+            delta = unpersisted(router, key)
+            requests = row.requests + delta["requests"]
+            prompt = row.prompt_tokens + delta["prompt_tokens"]
+            predicted = row.predicted_tokens + delta["predicted_tokens"]
             engine = ({"engine_requests": sample.requests, "engine_prompt_tokens": sample.prompt_tokens,
                        "engine_cached_tokens": sample.cached_tokens} if sample else
                       dict.fromkeys(("engine_requests", "engine_prompt_tokens", "engine_cached_tokens")))

@@ -1,5 +1,11 @@
 """Persisting the router's in-memory stats to the Rank rows, so they survive restarts and the
-dashboard (and other processes) can read them from the database."""
+dashboard (and other processes) can read them from the database.
+
+Several router processes may share one database (with ``REDIS_URL``, docs/operations.md), so
+each persists what it counted *since its last write* as an increment (``F(field) + delta``),
+never an absolute value that would overwrite the others'. A process starts its counters from the
+rows (``restore_stats``), and that starting point is its first baseline.
+"""
 from __future__ import annotations
 
 import asyncio
@@ -7,6 +13,7 @@ import logging
 
 from asgiref.sync import sync_to_async
 from django.db import transaction
+from django.db.models import F
 
 from apps.replicas.models import Rank
 from apps.routing.stats import TargetStats
@@ -20,6 +27,16 @@ def _targets_by_rank_id(router) -> dict[int, str]:
     return {t.rank_id: t.key for t in router.fleet.all_targets() if t.rank_id is not None}
 
 
+def counters(stats: TargetStats | None) -> dict[str, int]:
+    return {name: getattr(stats, name) if stats else 0 for name in FIELDS}
+
+
+def unpersisted(router, key: str) -> dict[str, int]:
+    """What this process counted for ``key`` that is not in the database yet."""
+    now, base = counters(router.stats.targets.get(key)), router.persisted.get(key) or dict.fromkeys(FIELDS, 0)
+    return {name: now[name] - base[name] for name in FIELDS}
+
+
 async def restore_stats(router) -> None:
     """Start each target's counters from what the database recorded before a restart."""
     keys = _targets_by_rank_id(router)
@@ -27,24 +44,26 @@ async def restore_stats(router) -> None:
         stats = router.stats.targets.setdefault(keys[row.id], TargetStats())
         for name in FIELDS:
             setattr(stats, name, getattr(stats, name) + getattr(row, name))
+        router.persisted[keys[row.id]] = {name: getattr(row, name) for name in FIELDS}
 
 
-def _write(rows: dict[int, dict]) -> None:
+def _write(rows: dict[int, tuple[dict, str]]) -> None:
     with transaction.atomic():
-        for rank_id, values in rows.items():
-            Rank.objects.filter(id=rank_id).update(**values)
+        for rank_id, (delta, circuit) in rows.items():
+            Rank.objects.filter(id=rank_id).update(circuit_state=circuit,
+                                                   **{name: F(name) + value for name, value in delta.items() if value})
 
 
 async def persist_stats(router) -> None:
-    keys = _targets_by_rank_id(router)
-    rows = {}
-    for rank_id, key in keys.items():
-        stats = router.stats.targets.get(key)
-        if stats is not None:
-            rows[rank_id] = {name: getattr(stats, name) for name in FIELDS}
-            rows[rank_id]["circuit_state"] = next(t.breaker.state for t in router.fleet.all_targets() if t.key == key)
+    rows, snapshots = {}, {}
+    for target in router.fleet.all_targets():
+        if target.rank_id is None:
+            continue
+        rows[target.rank_id] = (unpersisted(router, target.key), target.breaker.state)
+        snapshots[target.key] = counters(router.stats.targets.get(target.key))
     if rows:
         await sync_to_async(_write)(rows)
+        router.persisted.update(snapshots)  # only once written: a failed write is retried next round
 
 
 async def stats_loop(router) -> None:

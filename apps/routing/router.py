@@ -84,6 +84,7 @@ class Router:
         self.index_listeners: list = []  # called with (target key, digests) after each routed insert
         self.index_sync = None  # apps.routing.shared_index.IndexSync when several processes share (REDIS_URL)
         self.background_tasks: list = []  # the process's loops (apps/replicas/serving.py startup)
+        self.persisted: dict[str, dict[str, int]] = {}  # target key -> counters in the database (persist.py)
 
     def _make_policy(self, name: str) -> Policy:
         if name == "cache_aware":
