@@ -84,18 +84,21 @@ class WorkerChangeForm(forms.ModelForm):
         return self.cleaned_data.get("api_key") or self.instance.api_key
 
 
-class RankInline(admin.TabularInline):
-    model = Rank
-    extra = 0
-    can_delete = False
-    fields = readonly_fields = ["rank", "circuit_state", "requests", "prompt_tokens", "cached_tokens",
-                                "predicted_tokens", "errors", "router_hit_rate", "engine_hit_rate"]
+class ReadOnly:
+    """Admin mixin for rows the services, the health loop and the router write, never a person."""
 
     def has_add_permission(self, request, obj=None):
         return False
 
     def has_change_permission(self, request, obj=None):
         return False
+
+    def has_delete_permission(self, request, obj=None):
+        return False
+
+
+class RankHitRates:
+    """Admin mixin: a Rank's persisted counters as the two hit rates the dashboard compares."""
 
     @admin.display(description="router-predicted hit rate")
     def router_hit_rate(self, rank):
@@ -104,6 +107,13 @@ class RankInline(admin.TabularInline):
     @admin.display(description="engine hit rate")
     def engine_hit_rate(self, rank):
         return hit_rate(rank.cached_tokens, rank.prompt_tokens)
+
+
+class RankInline(ReadOnly, RankHitRates, admin.TabularInline):
+    model = Rank
+    extra = 0
+    fields = readonly_fields = ["rank", "circuit_state", "requests", "prompt_tokens", "cached_tokens",
+                                "predicted_tokens", "errors", "router_hit_rate", "engine_hit_rate"]
 
 
 @admin.register(Worker)
@@ -232,7 +242,7 @@ async def _drain_all(ids: list[int], draining: bool) -> None:
 
 
 @admin.register(Rank)
-class RankAdmin(admin.ModelAdmin):
+class RankAdmin(ReadOnly, RankHitRates, admin.ModelAdmin):
     """Read-only: ranks follow their worker's discovery; the counters come from the router."""
 
     list_display = ["__str__", "worker", "rank", "circuit_state", "requests", "prompt_tokens", "cached_tokens",
@@ -241,26 +251,9 @@ class RankAdmin(admin.ModelAdmin):
     list_select_related = ["worker"]
     search_fields = ["worker__url"]
 
-    def has_add_permission(self, request):
-        return False
-
-    def has_change_permission(self, request, obj=None):
-        return False
-
-    def has_delete_permission(self, request, obj=None):
-        return False
-
-    @admin.display(description="router-predicted hit rate")
-    def router_hit_rate(self, rank):
-        return hit_rate(rank.predicted_tokens, rank.prompt_tokens)
-
-    @admin.display(description="engine hit rate")
-    def engine_hit_rate(self, rank):
-        return hit_rate(rank.cached_tokens, rank.prompt_tokens)
-
 
 @admin.register(WorkerEvent)
-class WorkerEventAdmin(admin.ModelAdmin):
+class WorkerEventAdmin(ReadOnly, admin.ModelAdmin):
     """Read-only: the fleet's history (recorded by the services and the health loop)."""
 
     list_display = ["at", "worker", "kind", "detail"]
@@ -268,12 +261,3 @@ class WorkerEventAdmin(admin.ModelAdmin):
     list_select_related = ["worker"]
     search_fields = ["worker__url", "detail"]
     date_hierarchy = "at"
-
-    def has_add_permission(self, request):
-        return False
-
-    def has_change_permission(self, request, obj=None):
-        return False
-
-    def has_delete_permission(self, request, obj=None):
-        return False

@@ -27,7 +27,7 @@ def normalize_url(url: str) -> str:
 
 
 @transaction.atomic
-def _save_worker(*, url: str, api_key: str, dp_aware: bool, info: dict | None) -> tuple[Worker, dict]:
+def save_worker(*, url: str, api_key: str, dp_aware: bool, info: dict | None) -> tuple[Worker, dict]:
     worker, _ = Worker.objects.select_for_update().get_or_create(url=url, defaults={"api_key": api_key,
                                                                                    "dp_aware": dp_aware})
     worker.api_key, worker.dp_aware = api_key or worker.api_key, dp_aware
@@ -104,7 +104,7 @@ async def worker_add(*, url: str, api_key: str = "", dp_aware: bool | None = Non
             raise
         logger.warning("worker %s not discoverable yet: %s", url, exc)
         info = None
-    worker, rank_ids = await sync_to_async(_save_worker)(url=url, api_key=api_key, dp_aware=dp_aware, info=info)
+    worker, rank_ids = await sync_to_async(save_worker)(url=url, api_key=api_key, dp_aware=dp_aware, info=info)
     install(router, worker, rank_ids)
     logger.info("worker %s: dp_size %d, %s", url, worker.dp_size, "dp-aware" if dp_aware else "one target")
     return worker

@@ -8,6 +8,7 @@ up what they change (a new dp_size, a draining flag) from the database.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from datetime import timedelta
@@ -15,12 +16,13 @@ from datetime import timedelta
 import httpx
 from asgiref.sync import async_to_sync
 from django.conf import settings
-from django.db import transaction
 from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
 
-from apps.replicas.discovery import auth_headers, stable_info
-from apps.replicas.models import Rank, RankSample, Worker, WorkerEvent
+from apps.replicas.auth import configured_keys
+from apps.replicas.discovery import DiscoveryError, auth_headers, fetch_server_info, stable_info
+from apps.replicas.models import RankSample, Worker, WorkerEvent
+from apps.replicas.services import save_worker
 
 logger = logging.getLogger(__name__)
 
@@ -118,55 +120,31 @@ def prune(now=None) -> dict[str, int]:
     return {"samples": samples, "events": events}
 
 
-def _fetch_info(client: httpx.Client, worker: Worker) -> dict | None:
-    for path in ("/server_info", "/get_server_info"):
-        try:
-            r = client.get(worker.url.rstrip("/") + path, headers=auth_headers(worker.api_key))
-        except httpx.HTTPError:
-            return None
-        if r.status_code == 200:
-            try:
-                info = r.json()
-            except ValueError:
-                return None
-            return info if isinstance(info, dict) else None
-    return None
+async def _fetch_all(workers: list[Worker], timeout: float) -> list:
+    async with httpx.AsyncClient(timeout=timeout) as client:
+        return await asyncio.gather(*(fetch_server_info(client, w.url, w.api_key) for w in workers),
+                                    return_exceptions=True)
 
 
 def refresh_discovery(timeout: float = 10.0) -> dict[str, int]:
-    """Ask every discovered engine for its /server_info again and record what changed (a restart
-    with another dp_size, another model). Rank rows follow dp_size; router processes reinstall
-    the worker when they next sync from the database. Undiscovered workers are the health loop's
-    job (it discovers them as soon as they answer)."""
+    """Ask every discovered engine for its /server_info again (all at once) and record what
+    changed — a restart, another dp_size or model — through the same ``save_worker`` discovery
+    uses (Rank rows follow dp_size; events say what changed). Router processes reinstall the worker
+    when they next sync from the database. Unreachable and undiscovered workers are the health
+    loop's business."""
+    workers = list(Worker.objects.exclude(server_info={}))
     checked = changed = 0
-    with httpx.Client(timeout=timeout) as client:
-        for worker in Worker.objects.exclude(server_info={}):
-            info = _fetch_info(client, worker)
-            if info is None or info.get("foreign"):
-                continue
-            checked += 1
-            if stable_info(info) == stable_info(worker.server_info):
-                continue
-            size = info.get("dp_size") or 1
-            if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-                continue
-            with transaction.atomic():
-                before = (worker.dp_size, worker.model_name)
-                worker.server_info, worker.dp_size = info, size
-                worker.model_id = str(info.get("model_id") or info.get("model_path") or worker.model_id)
-                worker.served_model_name = str(info.get("served_model_name") or worker.model_id)
-                worker.save()
-                ranks = list(range(size)) if worker.dp_aware else [None]
-                for row in worker.ranks.all():
-                    if row.rank not in ranks:
-                        row.delete()
-                for rank in ranks:
-                    Rank.objects.get_or_create(worker=worker, rank=rank)
-                if before != (worker.dp_size, worker.model_name):
-                    WorkerEvent.objects.create(worker=worker, kind=WorkerEvent.Kind.CHANGED,
-                                               detail=f"dp_size {before[0]} -> {size}, model {before[1]!r} -> "
-                                                      f"{worker.model_name!r}")
-            changed += 1
+    for worker, info in zip(workers, async_to_sync(_fetch_all)(workers, timeout)):
+        if not isinstance(info, dict) or info.get("foreign"):
+            continue  # unreachable now, or a server without /server_info: nothing to refresh
+        checked += 1
+        if stable_info(info) == stable_info(worker.server_info):
+            continue
+        try:
+            save_worker(url=worker.url, api_key=worker.api_key, dp_aware=worker.dp_aware, info=info)
+        except DiscoveryError:  # an invalid dp_size: keep what we had
+            continue
+        changed += 1
     return {"checked": checked, "changed": changed}
 
 
@@ -194,7 +172,7 @@ def run_bench(run_id: int) -> dict:
     notify_dashboard("bench")
     started = time.monotonic()
     try:
-        keys = [k.strip() for k in settings.CONTROL_PLANE["API_KEYS"].split(",") if k.strip()]
+        keys = configured_keys("API_KEYS")
         worker = Worker.objects.exclude(server_info={}).order_by("id").first()
         run.result = execute(run.base_url, run.params, api_key=keys[0] if keys else None,
                              server_info=worker.server_info if worker else None)

@@ -76,7 +76,6 @@ def build(args):
     from transformers import AutoTokenizer
 
     from engine.config import EngineConfig
-    from engine.server.app import EngineApp
     from engine.server.frontend import EngineClient
     from engine.tiny import resolve_model_path
 

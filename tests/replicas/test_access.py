@@ -12,9 +12,6 @@ from django.test import Client
 
 from apps.replicas.auth import bearer_token, configured_keys, key_matches
 from apps.replicas.models import Worker
-from apps.routing import router as router_module
-from apps.routing.proxy import proxy_client, upstream
-from apps.routing.router import Router, RouterConfig, set_router
 from controlplane.asgi import application
 from tests.support.procs import free_port, start
 
@@ -26,16 +23,6 @@ INVALID_API_KEY = {"error": {"message": "Incorrect API key provided.", "type": "
 
 def keys_setting(settings, *, admin: str = "", api: str = "") -> None:
     settings.CONTROL_PLANE = {**settings.CONTROL_PLANE, "ADMIN_KEYS": admin, "API_KEYS": api}
-
-
-@pytest.fixture
-def router():
-    """A fresh router; the process's router is restored afterwards."""
-    saved = router_module._router
-    fresh = set_router(Router(RouterConfig(dp_aware=True)))
-    yield fresh
-    set_router(saved)
-    upstream.client = upstream.loop = None  # bound to a loop async_to_sync has closed
 
 
 @pytest.fixture
@@ -179,16 +166,6 @@ def test_non_staff_user_is_403(router, admin_keys):
 
 
 # ----- the OpenAI endpoints ------------------------------------------------------------------------------
-@pytest.fixture
-async def arouter():
-    saved = router_module._router
-    fresh = set_router(Router(RouterConfig(dp_aware=True)))
-    yield fresh
-    set_router(saved)
-    await upstream.aclose()  # bound to this test's event loop
-    await proxy_client.aclose()
-
-
 async def asgi(method: str, path: str, key: str | None = None, body: dict | None = None) -> httpx.Response:
     """Through the project's real ASGI application (the proxy paths are served before Django)."""
     headers = {"Authorization": f"Bearer {key}"} if key else {}

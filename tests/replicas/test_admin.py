@@ -12,10 +12,8 @@ import pytest
 from django.contrib.admin.models import LogEntry
 
 from apps.replicas.models import Rank, Worker, WorkerEvent
-from apps.routing import router as router_module
 from apps.routing.models import RoutingSettings
-from apps.routing.proxy import upstream
-from apps.routing.router import Router, RouterConfig, get_router, set_router
+from apps.routing.router import get_router
 from tests.support.procs import REPO_ROOT, free_port, start, start_engine
 from tests.support.standin import StandIn
 
@@ -27,16 +25,6 @@ CHANGELIST = "/admin/replicas/worker/"
 def engine(tmp_path_factory):
     with start_engine(tmp_path_factory.mktemp("engine"), "--dp-size", "2", "--num-kv-blocks", "64") as server:
         yield server
-
-
-@pytest.fixture
-def router():
-    """A fresh dp-aware router for each test; the process's router is restored afterwards."""
-    saved = router_module._router
-    fresh = set_router(Router(RouterConfig(dp_aware=True)))
-    yield fresh
-    set_router(saved)
-    upstream.client = upstream.loop = None  # bound to a loop async_to_sync has closed
 
 
 def keys(router) -> list[str]:

@@ -5,7 +5,7 @@ import pytest
 from apps.replicas.discovery import view_of
 from apps.replicas.health import check_worker
 from apps.replicas.models import Worker, WorkerEvent
-from apps.replicas.services import _save_worker, worker_set_draining
+from apps.replicas.services import save_worker, worker_set_draining
 from apps.routing.proxy import upstream
 from apps.routing.router import Router, RouterConfig
 from tests.support.standin import StandIn
@@ -24,14 +24,14 @@ def kinds(worker_id: int) -> list[tuple[str, str]]:
 
 
 def test_discovered_once_then_changed_only_when_dp_size_or_model_change():
-    worker, _ = _save_worker(url=URL, api_key="", dp_aware=True, info=None)  # recorded, not discovered yet
+    worker, _ = save_worker(url=URL, api_key="", dp_aware=True, info=None)  # recorded, not discovered yet
     assert kinds(worker.id) == []
-    _save_worker(url=URL, api_key="", dp_aware=True, info=info(2))
-    _save_worker(url=URL, api_key="", dp_aware=True, info=info(2))  # a refresh that finds the same
-    _save_worker(url=URL, api_key="", dp_aware=False, info=info(2))  # dp-awareness is ours, not the engine's
-    _save_worker(url=URL, api_key="", dp_aware=True, info=info(4))
-    _save_worker(url=URL, api_key="", dp_aware=True, info=info(4, "other"))
-    _save_worker(url=URL, api_key="", dp_aware=True, info=None)  # unreachable on refresh: nothing learned
+    save_worker(url=URL, api_key="", dp_aware=True, info=info(2))
+    save_worker(url=URL, api_key="", dp_aware=True, info=info(2))  # a refresh that finds the same
+    save_worker(url=URL, api_key="", dp_aware=False, info=info(2))  # dp-awareness is ours, not the engine's
+    save_worker(url=URL, api_key="", dp_aware=True, info=info(4))
+    save_worker(url=URL, api_key="", dp_aware=True, info=info(4, "other"))
+    save_worker(url=URL, api_key="", dp_aware=True, info=None)  # unreachable on refresh: nothing learned
     assert kinds(worker.id) == [("discovered", "model tiny, dp_size 2"), ("changed", "dp_size 2 -> 4"),
                                 ("changed", "model tiny -> other")]
 

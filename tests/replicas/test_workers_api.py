@@ -11,8 +11,6 @@ from django.test import AsyncClient
 
 from apps.replicas.models import Rank, Worker
 from apps.replicas.services import fleet_restore
-from apps.routing import router as router_module
-from apps.routing.proxy import proxy_client, upstream
 from apps.routing.router import Router, RouterConfig, get_router, set_router
 from controlplane.asgi import application
 from tests.support.procs import free_port, start_engine
@@ -38,14 +36,9 @@ def engine(tmp_path_factory):
 
 
 @pytest.fixture
-async def router():
-    """A fresh dp-aware router for each test; the process's router is restored afterwards."""
-    saved = router_module._router
-    fresh = set_router(Router(RouterConfig(dp_aware=True)))
-    yield fresh
-    set_router(saved)
-    await upstream.aclose()  # bound to this test's event loop
-    await proxy_client.aclose()
+async def router(arouter):
+    """These tests run on the event loop: the async flavour (tests/replicas/conftest.py)."""
+    return arouter
 
 
 ADMIN_KEY = "test-admin-key"
