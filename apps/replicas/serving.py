@@ -63,10 +63,15 @@ async def startup(router, worker_urls: list[str], policy_flag: str | None = None
     from apps.routing import background
     from apps.routing.persist import stats_loop
 
-    restored = await fleet_restore(router=router)
-    for url in worker_urls:
-        await worker_add(url=url, strict=False, router=router)
-    await background.adopt_policy(router, policy_flag)
+    router.starting = True
+    try:
+        restored = await fleet_restore(router=router)
+        for url in worker_urls:
+            await worker_add(url=url, strict=False, router=router)
+        await background.adopt_policy(router, policy_flag)
+    except Exception:  # /health stays 503: this process has no fleet to serve
+        logger.exception("router startup failed")
+        raise
     loops = [health_loop(router), stats_loop(router), background.sync_loop(router)]
     if background.embedded():
         loops.append(background.embedded_jobs_loop())
@@ -82,6 +87,7 @@ async def startup(router, worker_urls: list[str], policy_flag: str | None = None
                 "in this process" if background.embedded() else "on the Celery worker (REDIS_URL)")
     if router.index_sync is not None:
         logger.info("prefix index shared with the other router processes through Redis")
+    router.starting = False  # after the lines above: whoever sees /health 200 can read them
     # the loop keeps only weak references to tasks: the router holds them for the process's life
     router.background_tasks = tasks + [asyncio.ensure_future(loop) for loop in loops]
     return router.background_tasks
@@ -101,6 +107,7 @@ def serve_router(opts: dict, on_ready=None) -> None:
     from controlplane.asgi import application
 
     router = set_router(Router(router_config(opts)))
+    router.starting = True  # before the socket listens; startup() clears it
     loop = reactor._asyncioEventloop
     loop.call_soon(lambda: asyncio.ensure_future(startup(router, list(opts.get("worker_urls") or []),
                                                          opts.get("policy"))))

@@ -85,6 +85,9 @@ class Router:
         self.index_sync = None  # apps.routing.shared_index.IndexSync when several processes share (REDIS_URL)
         self.background_tasks: list = []  # the process's loops (apps/replicas/serving.py startup)
         self.persisted: dict[str, dict[str, int]] = {}  # target key -> counters in the database (persist.py)
+        # True from process start until startup() has restored the fleet, added the given workers and
+        # adopted the recorded policy (apps/replicas/serving.py): /health answers 503 meanwhile
+        self.starting = False
 
     def _make_policy(self, name: str) -> Policy:
         if name == "cache_aware":

@@ -23,6 +23,8 @@ async def models(request):
 async def health(request):
     router = get_router()
     available = [t.key for t in router.fleet.candidates(None)]
+    if router.starting:  # not yet the fleet and policy it will serve with
+        return JsonResponse({"status": "starting", "targets": available}, status=503)
     status = 200 if available else 503
     return JsonResponse({"status": "ok" if available else "unavailable", "targets": available}, status=status)
 

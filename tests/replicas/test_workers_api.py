@@ -192,6 +192,24 @@ async def test_fleet_restore_rebuilds_targets_from_the_database(engine, router, 
     assert rows == {rank_id: rank for _, rank, rank_id in before}
 
 
+async def test_health_is_503_until_startup_has_restored_the_fleet(engine, router, client):
+    """A process that answers /health 200 serves with the fleet and policy it restored, not a partial one."""
+    from apps.replicas.serving import startup
+    await add(client, engine.url)
+    restarted = set_router(Router(RouterConfig(dp_aware=True)))
+    restarted.starting = True  # as serve_router sets it before the socket listens
+    r = await client.get("/health")
+    assert (r.status_code, r.json()["status"]) == (503, "starting")
+    tasks = await startup(restarted, [])
+    try:
+        r = await client.get("/health")
+        assert (r.status_code, r.json()["targets"]) == (200, [f"{engine.url}@0", f"{engine.url}@1"])
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 async def test_proxy_reports_the_rank_and_leaves_no_load(engine, router, client):
     await add(client, engine.url)
     r = await proxy_post("/v1/chat/completions", CHAT)
