@@ -142,7 +142,7 @@ CONTROL_PLANE = namespaced_settings(
         "SAMPLE_RETENTION_S": 86400.0,
         "EVENT_RETENTION_S": 7 * 86400.0,
         "DASHBOARD_WINDOW_S": 600.0,
-        # With REDIS_URL: router processes publish their prefix-index inserts to each other.
+        # With REDIS_URL: router processes publish their prefix-index inserts and load to each other.
         "SHARE_INDEX": True,
     },
 )

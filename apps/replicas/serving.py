@@ -86,7 +86,7 @@ async def startup(router, worker_urls: list[str], policy_flag: str | None = None
                 len(worker_urls), router.config.policy, "dp-aware" if router.config.dp_aware else "worker-level",
                 "in this process" if background.embedded() else "on the Celery worker (REDIS_URL)")
     if router.index_sync is not None:
-        logger.info("prefix index shared with the other router processes through Redis")
+        logger.info("prefix index and load shared with the other router processes through Redis")
     router.starting = False  # after the lines above: whoever sees /health 200 can read them
     # the loop keeps only weak references to tasks: the router holds them for the process's life
     router.background_tasks = tasks + [asyncio.ensure_future(loop) for loop in loops]

@@ -96,7 +96,7 @@ def build_snapshot(router) -> dict:
                       dict.fromkeys(("engine_requests", "engine_prompt_tokens", "engine_cached_tokens")))
             router_rate = _rate(predicted, prompt)
             engine_rate = _rate(sample.cached_tokens, sample.prompt_tokens) if sample else None
-            inflight = target.load.requests if target else 0
+            inflight = target.load.inflight if target else 0  # every router process's
             ranks.append({
                 "key": key, "rank": row.rank,
                 "circuit": target.breaker.state if target else row.circuit_state,
@@ -104,7 +104,7 @@ def build_snapshot(router) -> dict:
                 "requests": requests, "prompt_tokens": prompt, "predicted_tokens": predicted,
                 "router_hit_rate": router_rate, **engine, "engine_hit_rate": engine_rate,
                 "gap": engine_rate - router_rate if engine_rate is not None and router_rate is not None else None,
-                "inflight_requests": inflight, "inflight_tokens": target.load.prompt_tokens if target else 0,
+                "inflight_requests": inflight, "inflight_tokens": target.load.inflight_tokens if target else 0,
                 "kv_blocks_used": sample.kv_blocks_used if sample else None,
                 "kv_blocks_total": sample.kv_blocks_total if sample else None,
                 "scraped_at": sample.at.timestamp() if sample else None,

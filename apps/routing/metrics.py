@@ -34,8 +34,11 @@ class RouterCollector:
                 s = stats.get(t.key)
                 family.add_metric(label_values(t), getattr(s, attr) if s else 0)
             yield family
-        gauges = [("inflight_requests", "Requests in flight", lambda t: t.load.requests),
-                  ("inflight_prompt_tokens", "Prompt tokens in flight", lambda t: t.load.prompt_tokens),
+        gauges = [("inflight_requests", "Requests in flight from this router process", lambda t: t.load.requests),
+                  ("inflight_prompt_tokens", "Prompt tokens in flight from this router process",
+                   lambda t: t.load.prompt_tokens),
+                  ("peer_inflight_requests", "Requests in flight from the other router processes (as they "
+                   "last published)", lambda t: t.load.peer_requests),
                   ("pending_prefill_tokens", "Predicted uncached tokens not yet prefilled", lambda t: t.load.pending_prefill_tokens),
                   ("target_up", "1 while the target can be chosen", lambda t: int(t.available)),
                   ("index_blocks", "Digests the prefix index holds for the target", lambda t: self.router.index.size(t.key))]
@@ -73,6 +76,12 @@ class RouterCollector:
                                       "other router processes", value=sync.published)
             yield CounterMetricFamily(f"{PREFIX}_index_sync_applied", "Prefix-index inserts received from the "
                                       "other router processes and applied here", value=sync.applied)
+            yield CounterMetricFamily(f"{PREFIX}_load_sync_published", "Load snapshots published to the other "
+                                      "router processes", value=sync.load_published)
+            yield CounterMetricFamily(f"{PREFIX}_load_sync_applied", "Load snapshots received from the other "
+                                      "router processes", value=sync.load_applied)
+            yield GaugeMetricFamily(f"{PREFIX}_peers", "Other router processes whose load counts here",
+                                    value=len(sync.peer_seen))
         yield CounterMetricFamily(f"{PREFIX}_retries", "Upstream attempts retried on another target",
                                   value=self.router.stats.retries)
         yield CounterMetricFamily(f"{PREFIX}_no_target", "Requests refused because no target was available",

@@ -1,5 +1,8 @@
 """Routing policies: given the available targets and what the prefix index says they hold,
-pick one. ``choose`` has no side effects; the router commits the choice (load, index)."""
+pick one. ``choose`` has no side effects; the router commits the choice (load, index).
+
+Load is read as totals (``RankLoad.inflight`` and friends): this process's own plus what the
+other router processes last published, so several routers balance one fleet together."""
 from __future__ import annotations
 
 import abc
@@ -50,7 +53,7 @@ class PowerOfTwo(Policy):
         if len(targets) == 1:
             return targets[0]
         a, b = self.rng.sample(targets, 2)
-        return min((a, b), key=lambda t: (t.load.requests, t.load.prompt_tokens))
+        return min((a, b), key=lambda t: (t.load.inflight, t.load.inflight_tokens))
 
 
 class CacheAware(Policy):
@@ -97,20 +100,20 @@ class CacheAware(Policy):
               shared_blocks: int = 0) -> list[float]:
         hits = [self.matched_tokens(t, shape, matched) for t in targets]
         best_match, shared = max(hits), shared_blocks * shape.block_tokens
-        inflight = [t.load.requests for t in targets]
+        inflight = [t.load.inflight for t in targets]
         sessions = [t.load.active_sessions() for t in targets]
         mean_inflight, mean_sessions = sum(inflight) / len(inflight), sum(sessions) / len(sessions)
         # Balance only matters under contention: with the fleet idle, affinity alone decides. And it
         # decides where sessions start; a session with private history moves only for a real queue.
-        pressure = min(1.0, sum(t.load.requests for t in targets) / len(targets)) if best_match <= shared else 0.0
+        pressure = min(1.0, sum(inflight) / len(targets)) if best_match <= shared else 0.0
         out = []
         for t, hit, n, live in zip(targets, hits, inflight, sessions):
             stranded = max(0, best_match - max(hit, shared))
             # now (requests in flight) and the near future (sessions that keep coming back here)
             excess = ((n / mean_inflight - 1 if mean_inflight > 0 else 0.0)
                       + (live / mean_sessions - 1 if mean_sessions > 0 else 0.0)) / 2
-            out.append(shape.prompt_tokens - hit + t.load.pending_prefill_tokens
-                       + self.decode_weight * t.load.requests + self.stickiness * stranded
+            out.append(shape.prompt_tokens - hit + t.load.queued_prefill_tokens
+                       + self.decode_weight * n + self.stickiness * stranded
                        + self.balance_weight * pressure * excess)
         return out
 
@@ -122,7 +125,7 @@ class CacheAware(Policy):
         # later turns go, so among targets nearly as cheap now, the least loaded lately wins.
         slack = self.slack if private else self.new_session_slack
         near = [t for c, t in zip(costs, targets) if c <= best + slack]
-        return min(near, key=lambda t: (t.load.active_sessions() + t.load.requests, t.load.recent_requests(),
+        return min(near, key=lambda t: (t.load.active_sessions() + t.load.inflight, t.load.recent_requests(),
                                         self.rng.random()))
 
 

@@ -1,21 +1,27 @@
-"""Several router processes, one view of the engines' prefix caches (with ``REDIS_URL``).
+"""Several router processes, one view of the engines' prefix caches and load (with ``REDIS_URL``).
 
-Each router process keeps its own ``PrefixIndex`` (the hot path never waits on the network). What
-one process routes, it also publishes: the target and the request's block digests, batched, on a
-Redis channel. Every other process applies those inserts to its own index, so a prompt routed by
-process A is a predicted hit when it comes back through process B. Load is not shared: each
-process balances the requests it sees (with clients spread over processes, each sees a sample of
-the whole).
+Each router process keeps its own ``PrefixIndex`` and load counters (the hot path never waits on
+the network). What one process routes, it also publishes on a Redis channel:
+
+- index inserts: the target and the request's block digests, batched. Every other process applies
+  them to its own index, so a prompt routed by process A is a predicted hit when it comes back
+  through process B.
+- load: every ``LOAD_INTERVAL_S`` when its own in-flight counts changed (else every
+  ``LOAD_HEARTBEAT_S``), a snapshot of its own load per target (requests and prompt tokens in
+  flight, predicted prefill not yet done, active sessions, recent requests). The others add it to
+  theirs (``RankLoad.set_peer``), so a rank that process A has filled looks busy to process B too.
+  A snapshot older than ``LOAD_TTL_S`` is dropped: a process that died stops counting.
 
 Publishing never blocks routing: inserts go into a bounded queue that a background task drains;
-when Redis is slow or away the queue drops the oldest entries (an index is a hint) and the
-subscriber reconnects with backoff.
+when Redis is slow or away the queue drops the oldest entries (an index is a hint), load snapshots
+are simply sent again next tick, and the subscriber reconnects with backoff.
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
+import time
 import uuid
 from collections import deque
 
@@ -24,6 +30,9 @@ logger = logging.getLogger(__name__)
 CHANNEL = "dpmesh:index"
 MAX_PENDING = 10_000  # inserts waiting to be published; beyond it the oldest are dropped
 MAX_BATCH = 256
+LOAD_INTERVAL_S = 0.05  # how often a changed load snapshot is published
+LOAD_HEARTBEAT_S = 1.0  # an unchanged one is published again this often
+LOAD_TTL_S = 3.0  # a peer's snapshot older than this no longer counts
 
 
 class IndexSync:
@@ -33,6 +42,8 @@ class IndexSync:
         self.pending: deque[tuple[str, list[int]]] = deque(maxlen=MAX_PENDING)
         self.wakeup = asyncio.Event()
         self.published = self.applied = 0
+        self.load_published = self.load_applied = 0
+        self.peer_seen: dict[str, float] = {}  # other process -> when its last load snapshot arrived
 
     # ----- the hot path's side: never awaits -------------------------------------------------------
     def on_insert(self, key: str, digests: list[int]) -> None:
@@ -43,7 +54,8 @@ class IndexSync:
     # ----- background tasks ------------------------------------------------------------------------
     def start(self) -> list[asyncio.Task]:
         self.router.index_listeners.append(self.on_insert)
-        return [asyncio.ensure_future(self._publish_loop()), asyncio.ensure_future(self._subscribe_loop())]
+        return [asyncio.ensure_future(self._publish_loop()), asyncio.ensure_future(self._subscribe_loop()),
+                asyncio.ensure_future(self._load_loop())]
 
     async def _client(self):
         import redis.asyncio as redis
@@ -65,6 +77,49 @@ class IndexSync:
                 except Exception as exc:  # Redis away: drop this batch, keep routing
                     logger.warning("publishing %d index inserts failed: %s", len(batch), exc)
                     await asyncio.sleep(1.0)
+
+    def load_snapshot(self) -> dict[str, list]:
+        """This process's own load per target, where there is any (peers' load is never re-published)."""
+        now = time.monotonic()
+        out = {}
+        for t in self.router.fleet.all_targets():
+            load = t.load
+            sessions, recent = load.own_active_sessions(now), load.own_recent_requests(now)
+            if load.requests or load.prompt_tokens or load.pending_prefill_tokens or sessions > 0.01 or recent > 0.01:
+                out[t.key] = [load.requests, load.prompt_tokens, load.pending_prefill_tokens,
+                              round(sessions, 3), round(recent, 3)]
+        return out
+
+    async def _load_loop(self) -> None:
+        client = await self._client()
+        last, last_at = None, 0.0
+        while True:
+            await asyncio.sleep(LOAD_INTERVAL_S)
+            now = time.monotonic()
+            self.expire_peers(now)
+            snapshot = self.load_snapshot()
+            counts = {key: values[:3] for key, values in snapshot.items()}
+            if counts == last and now - last_at < LOAD_HEARTBEAT_S:
+                continue
+            try:
+                await client.publish(self.channel, json.dumps({"from": self.origin, "load": snapshot}))
+                last, last_at = counts, now
+                self.load_published += 1
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # Redis away: the next tick tries again
+                logger.warning("publishing the load snapshot failed: %s", exc)
+                await asyncio.sleep(1.0)
+
+    def expire_peers(self, now: float | None = None) -> list[str]:
+        """Forget the load of processes not heard from in ``LOAD_TTL_S`` (stopped or cut off)."""
+        now = time.monotonic() if now is None else now
+        gone = [origin for origin, at in self.peer_seen.items() if now - at > LOAD_TTL_S]
+        for origin in gone:
+            del self.peer_seen[origin]
+            for t in self.router.fleet.all_targets():
+                t.load.drop_peer(origin)
+        return gone
 
     async def _subscribe_loop(self) -> None:
         backoff = 0.5
@@ -92,6 +147,8 @@ class IndexSync:
             return 0
         if not isinstance(message, dict) or message.get("from") == self.origin:
             return 0
+        if "load" in message:
+            return self.apply_load(message["from"], message["load"])
         known = {t.key for t in self.router.fleet.all_targets()}  # not yet installed here: skipped
         applied = 0
         for item in message.get("inserts") or ():
@@ -100,4 +157,22 @@ class IndexSync:
                 self.router.index.insert(item[0], item[1])
                 applied += 1
         self.applied += applied
+        return applied
+
+    def apply_load(self, origin, snapshot) -> int:
+        """Take another process's load snapshot: it replaces what that process published before."""
+        if not isinstance(origin, str) or not isinstance(snapshot, dict):
+            return 0
+        self.peer_seen[origin] = time.monotonic()
+        applied = 0
+        for t in self.router.fleet.all_targets():
+            values = snapshot.get(t.key)
+            if (isinstance(values, list) and len(values) == 5
+                    and all(isinstance(v, (int, float)) and v >= 0 for v in values)):
+                requests, tokens, prefill, sessions, recent = values
+                t.load.set_peer(origin, int(requests), int(tokens), int(prefill), float(sessions), float(recent))
+                applied += 1
+            else:
+                t.load.drop_peer(origin)
+        self.load_applied += 1
         return applied

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from apps.routing.load import RECENT_HALF_LIFE_S, RankLoad
+from apps.routing.load import RECENT_HALF_LIFE_S, SESSION_HALF_LIFE_S, RankLoad
 from tests.routing.helpers import Clock
 
 
@@ -87,3 +87,23 @@ def test_recent_tokens_decay_with_the_half_life():
     clock.now += 2 * RECENT_HALF_LIFE_S
     assert load.recent_tokens() == pytest.approx(125)
     assert load.requests == 1  # in-flight counters do not decay
+
+
+def test_peers_add_to_the_totals_but_never_to_the_own_counters():
+    clock = Clock()
+    load = RankLoad(clock=clock)
+    load.begin(100, 60, continues_session=True)
+    load.set_peer("b", requests=3, prompt_tokens=900, prefill_tokens=500, sessions=2.0, recent=4.0)
+    load.set_peer("c", requests=1, prompt_tokens=50, prefill_tokens=0)
+    assert (load.inflight, load.inflight_tokens, load.queued_prefill_tokens) == (5, 1050, 560)
+    assert (load.requests, load.prompt_tokens, load.pending_prefill_tokens) == (1, 100, 60)  # what is published
+    assert load.active_sessions() == pytest.approx(3.0) and load.own_active_sessions() == pytest.approx(1.0)
+    assert load.recent_requests() == pytest.approx(5.0) and load.own_recent_requests() == pytest.approx(1.0)
+    clock.now += RECENT_HALF_LIFE_S  # a peer's decaying figures decay here from when they arrived
+    assert load.recent_requests() == pytest.approx(2.5)
+    load.begin(10, 10, continues_session=True)  # a peer's sessions never become this process's own
+    assert load.own_active_sessions() == pytest.approx(1.0 * 2 ** (-RECENT_HALF_LIFE_S / SESSION_HALF_LIFE_S) + 1)
+    load.set_peer("b", requests=0, prompt_tokens=0, prefill_tokens=0)  # a new snapshot replaces the old one
+    load.drop_peer("c")
+    load.drop_peer("never-seen")
+    assert (load.inflight, load.inflight_tokens, load.queued_prefill_tokens) == (2, 110, 70)

@@ -273,3 +273,12 @@ def test_make_policy():
                                                                                            PowerOfTwo}
     with pytest.raises(ValueError, match="unknown policy 'sticky'"):
         make_policy("sticky")
+
+
+@pytest.mark.parametrize("policy", [cache_aware(balance_weight=512.0, new_session_slack=256.0), PowerOfTwo()])
+def test_other_router_processes_load_counts_like_this_ones(policy):
+    """A rank another router process has filled is as busy as if this process had filled it."""
+    policy.rng = random.Random(3)
+    ts = targets(2)
+    ts[0].load.set_peer("other-process", requests=2, prompt_tokens=400, prefill_tokens=0)
+    assert collections.Counter(policy.choose(ts, shape(40), {}).key for _ in range(20)) == {ts[1].key: 20}

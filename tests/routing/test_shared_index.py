@@ -1,16 +1,20 @@
-"""Several router processes share their prefix-index inserts through Redis: a prompt routed by
+"""Several router processes share their prefix-index inserts and load through Redis: a prompt routed by
 one process is a predicted hit (and goes to the same rank) when it comes back through another."""
 from __future__ import annotations
 
 import json
+import queue
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
 from apps.routing.router import Router, RouterConfig
-from apps.routing.shared_index import IndexSync
+from apps.routing.shared_index import LOAD_TTL_S, IndexSync
 from tests.routing.helpers import worker_view
+from tests.support.standin import Behaviour, StandIn
 from tests.support.procs import free_port, start, start_engine, wait_for
 from tests.support.router_checks import counter
 
@@ -38,6 +42,33 @@ def test_routing_inserts_are_queued_without_waiting(monkeypatch):
     assert [key for key, _ in sync.pending] == [routed.target.key] and sync.wakeup.is_set()
 
 
+def test_load_snapshots_publish_own_load_and_apply_others():
+    router = Router(RouterConfig())
+    router.fleet.put(worker_view(1, url="http://w1", dp_size=2))
+    t0, t1 = router.fleet.targets[1]
+    sync = IndexSync(router, "redis://unused")
+    assert sync.load_snapshot() == {}  # idle: nothing to say
+    ticket = t0.load.begin(120, 80)
+    t1.load.set_peer("elsewhere", 7, 700, 70)  # what others published is never published again
+    assert sync.load_snapshot() == {"http://w1@0": [1, 120, 80, 0.0, 1.0]}
+
+    own = json.dumps({"from": sync.origin, "load": {"http://w1@1": [5, 5, 5, 0, 0]}})
+    assert sync.apply(own) == 0 and t1.load.peer_requests == 7
+    other = {"from": "b", "load": {"http://w1@0": [2, 300, 100, 1.5, 2.0], "http://w9@0": [1, 1, 1, 0, 0],
+                                   "http://w1@1": [-1, 0, 0, 0, 0]}}
+    assert sync.apply(json.dumps(other)) == 1  # w9 is not installed here; negative counts are junk
+    assert (t0.load.inflight, t0.load.inflight_tokens, t0.load.queued_prefill_tokens) == (3, 420, 180)
+    assert t0.load.active_sessions() == pytest.approx(1.5) and sync.load_applied == 1
+    assert sync.apply(json.dumps({"from": "b", "load": {}})) == 0  # b's load on w1@0 is over
+    assert t0.load.inflight == 1 and "b" in sync.peer_seen
+
+    sync.apply(json.dumps({"from": "b", "load": {"http://w1@1": [4, 40, 0, 0, 0]}}))
+    assert sync.expire_peers(time.monotonic() + LOAD_TTL_S / 2) == []
+    assert sync.expire_peers(time.monotonic() + LOAD_TTL_S + 1) == ["b"]  # b stopped talking
+    assert t1.load.peers.keys() == {"elsewhere"} and t1.load.peer_requests == 7
+    t0.load.end(ticket)
+
+
 @pytest.mark.slow
 def test_a_prompt_routed_by_one_router_process_is_a_hit_through_another(tmp_path, redis_url):
     prompts = [[p] * 8 + list(range(100 + 10 * p, 300 + 10 * p)) for p in range(4)]  # 208 tokens, 12 blocks each
@@ -51,7 +82,7 @@ def test_a_prompt_routed_by_one_router_process_is_a_hit_through_another(tmp_path
                        "--port", str(port)]
                 routers.append(start(cmd, f"http://127.0.0.1:{port}", tmp_path / f"{name}.log", env=env))
             a, b = routers
-            assert "prefix index shared" in a.log() and "prefix index shared" in b.log()
+            assert "prefix index and load shared" in a.log() and "prefix index and load shared" in b.log()
             ranks = {}
             for i, prompt in enumerate(prompts):
                 r = httpx.post(a.url + "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 1},
@@ -68,3 +99,57 @@ def test_a_prompt_routed_by_one_router_process_is_a_hit_through_another(tmp_path
         finally:
             for router in routers:
                 router.stop()
+
+
+@pytest.mark.slow
+def test_router_processes_balance_the_fleet_together(tmp_path, redis_url):
+    """Process a holds two long streams on two of four ranks; process b, which routed none of them,
+    sends its own new requests to the two idle ranks. When a stops, b forgets a's load."""
+    slow = Behaviour(tokens=40, token_interval_s=0.25)  # ~10 s streams
+    with StandIn(dp_size=4, model="standin-peers", default=slow).start() as standin:
+        env = {"DATABASE_URL": f"sqlite:///{tmp_path}/peers.sqlite3", "REDIS_URL": redis_url}
+        routers = []
+        try:
+            for name in ("a", "b"):
+                port = free_port()
+                cmd = [sys.executable, "manage.py", "runrouter", "--worker-urls", standin.url, "--dp-aware",
+                       "--port", str(port)]
+                routers.append(start(cmd, f"http://127.0.0.1:{port}", tmp_path / f"{name}.log", env=env))
+            a, b = routers
+            opened: queue.Queue[int] = queue.Queue()
+            with ThreadPoolExecutor(2) as pool:
+                for i in range(2):
+                    pool.submit(_hold_stream, a.url, f"long conversation number {i}", opened)
+                busy = {opened.get(timeout=30) for _ in range(2)}
+                assert len(busy) == 2  # a spread its own two streams
+                assert wait_for(lambda: counter(b.url, "dpmesh_router_peer_inflight_requests") == 2, timeout=5)
+                assert counter(b.url, "dpmesh_router_peers") == 1
+                placed = []
+                for i in range(2):  # short answers: b's own load is back to zero before the next one
+                    r = httpx.post(b.url + "/v1/completions", timeout=30,
+                                   json={"model": "standin-peers", "prompt": f"a new question {i}", "max_tokens": 1})
+                    assert r.status_code == 200, r.text
+                    placed.append(int(r.headers["x-data-parallel-rank"]))
+                assert not busy & set(placed), (busy, placed)
+                assert len(set(placed)) == 2  # and spread over the idle two
+                a.stop()
+                assert wait_for(lambda: counter(b.url, "dpmesh_router_peers") == 0, timeout=LOAD_TTL_S + 3)
+                assert counter(b.url, "dpmesh_router_peer_inflight_requests") == 0
+        finally:
+            for router in routers:
+                router.stop()
+
+
+def _hold_stream(url: str, prompt: str, opened: queue.Queue) -> None:
+    """Stream through the router; put the serving rank on ``opened`` at the first event and keep
+    reading until the stream ends (or the router goes away)."""
+    try:
+        with httpx.stream("POST", url + "/v1/completions", timeout=60,
+                          json={"model": "standin-peers", "prompt": prompt, "max_tokens": 40, "stream": True}) as r:
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data:"))
+            opened.put(int(r.headers["x-data-parallel-rank"]))
+            for _ in lines:
+                pass
+    except httpx.HTTPError:
+        pass
