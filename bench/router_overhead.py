@@ -10,6 +10,9 @@ and requests/s; goals: <= 1 ms added p50 over direct, >= 0.5x sglang-router's re
         [--tokenizer-path DIR]  # also run our cache_aware router tokenizing every prompt (as it
                                 # does for our own engines; the stand-in alone gets text digests)
         [--profile DIR]         # record py-spy flame graphs of our router under the largest load
+        [--processes N]         # also N cache_aware router processes sharing index and load through
+                                # Redis (--redis-url) and one database, each driven by its own wrk
+                                # with connections/N; reported as their sum
 
 Only one server under test runs at a time (the stand-in runs throughout). Needs ``wrk`` on PATH;
 ``--profile`` needs ``py-spy``.
@@ -26,7 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import httpx
@@ -100,16 +103,47 @@ def wrk(url: str, connections: int, duration: int, script: Path) -> dict:
     return result
 
 
+def wrk_many(urls: list[str], connections: int, duration: int, script: Path) -> dict:
+    """One wrk per URL at once (the connections split between them), summed: requests/s add up,
+    and the latency reported is the worst of the runs' percentiles (they cannot be merged)."""
+    share = [connections // len(urls) + (1 if i < connections % len(urls) else 0) for i in range(len(urls))]
+    cmds = [["wrk", "-t1", f"-c{max(1, c)}", f"-d{duration}s", "--timeout", "10s", "-s", str(script),
+             url + "/v1/completions"] for url, c in zip(urls, share)]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) for cmd in cmds]
+    runs = []
+    for proc in procs:
+        out, _ = proc.communicate()
+        line = next(l for l in out.splitlines() if l.startswith("WRK_JSON "))
+        runs.append(json.loads(line.removeprefix("WRK_JSON ")))
+    result = {key: max(r[key] for r in runs) for key in ("p50_us", "p90_us", "p99_us", "duration_us")}
+    result.update({key: sum(r[key] for r in runs) for key in ("requests", "errors", "non_2xx")})
+    result["mean_us"] = sum(r["mean_us"] * r["requests"] for r in runs) / max(1, result["requests"])
+    result["rps"] = sum(r["requests"] / (r["duration_us"] / 1e6) for r in runs)
+    return result
+
+
 def check_once(url: str) -> None:
     r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 8}, timeout=10)
     r.raise_for_status()
     assert r.json()["choices"], r.text
 
 
-def measure(name: str, url: str, args, script: Path, results: list, profile_pid: int | None = None) -> None:
-    check_once(url)
-    wrk(url, 1, 2, script)  # warm-up: connections, the tokenizer/index paths, the JIT-less caches
+def measure(name: str, url: str | list[str], args, script: Path, results: list,
+            profile_pid: int | None = None) -> None:
+    urls = [url] if isinstance(url, str) else url
+    for one in urls:
+        check_once(one)
+        wrk(one, 1, 2, script)  # warm-up: connections, the tokenizer/index paths, the JIT-less caches
     for c in args.connections:
+        if len(urls) > 1:
+            if c < len(urls):
+                continue
+            r = wrk_many(urls, c, args.duration, script)
+            r.update(target=name, connections=c)
+            results.append(r)
+            print(f"{name:28s} c={c:<3d} p50 {r['p50_us'] / 1000:7.2f} ms  p99 {r['p99_us'] / 1000:7.2f} ms  "
+                  f"{r['rps']:8.0f} req/s  errors {r['errors']} non-2xx {r['non_2xx']}", flush=True)
+            continue
         spy = None
         if profile_pid and c == max(args.connections):
             svg = Path(args.profile) / f"{name.replace(' ', '_')}.svg"
@@ -154,6 +188,8 @@ def run(args) -> list[dict]:
             url = f"http://127.0.0.1:{port}"
             with server(cmd, url + "/health", tmp / "router-tokenizer.log", env=env):
                 measure("dpmesh router cache_aware+tok", url, args, script, results)
+        if args.processes > 1:
+            measure_processes(args, standin_url, tmp, script, results)
         exe = shutil.which("sglang-router", path=str(Path(sys.executable).parent)) or shutil.which("sglang-router")
         for policy in args.sglang_policies if exe else []:
             port = free_port()
@@ -163,6 +199,26 @@ def run(args) -> list[dict]:
             with server(cmd, url + "/health", tmp / f"sglang-{policy}.log"):
                 measure(f"sglang-router {policy}", url, args, script, results)
     return results
+
+
+def measure_processes(args, standin_url: str, tmp: Path, script: Path, results: list) -> None:
+    """``args.processes`` cache_aware routers on one database and one Redis (index and load shared)."""
+    import redis
+    redis.Redis.from_url(args.redis_url).flushdb()
+    env = {"DATABASE_URL": args.database_url or f"sqlite:///{tmp / 'router-processes.sqlite3'}",
+           "REDIS_URL": args.redis_url}
+    subprocess.run([sys.executable, "manage.py", "migrate", "--noinput"], cwd=REPO, env={**os.environ, **env},
+                   check=True, capture_output=True)
+    with ExitStack() as stack:
+        urls = []
+        for i in range(args.processes):
+            port = free_port()
+            cmd = [sys.executable, "manage.py", "runrouter", "--worker-urls", standin_url, "--dp-aware",
+                   "--policy", "cache_aware", "--port", str(port)]
+            url = f"http://127.0.0.1:{port}"
+            stack.enter_context(server(cmd, url + "/health", tmp / f"router-process-{i}.log", env=env))
+            urls.append(url)
+        measure(f"dpmesh router cache_aware x{args.processes} processes", urls, args, script, results)
 
 
 def summary(results: list[dict]) -> str:
@@ -188,6 +244,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sglang-policies", nargs="*", default=["round_robin", "cache_aware"])
     parser.add_argument("--tokenizer-path", help="a tokenizer directory (e.g. the tiny model's) for an extra "
                                                  "cache_aware run with token digests")
+    parser.add_argument("--processes", type=int, default=1,
+                        help="also run this many cache_aware router processes sharing index and load (Redis)")
+    parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/14", help="for --processes (flushed)")
+    parser.add_argument("--database-url", help="for --processes (default: a shared SQLite file)")
     parser.add_argument("--json", help="write the raw results here")
     parser.add_argument("--profile", help="directory for py-spy flame graphs of our router (largest load)")
     args = parser.parse_args(argv)
