@@ -119,10 +119,19 @@ def serve_router(opts: dict, on_ready=None) -> None:
                                                          opts.get("policy"))))
     host, port = opts.get("host") or "127.0.0.1", opts.get("port") or DEFAULT_ROUTER_PORT
     app = _with_static(application, ASGIStaticFilesHandler)
+    reactor.addSystemEventTrigger("before", "shutdown", _say_goodbye, router)
     if on_ready:
         loop.call_soon(on_ready)
     Server(application=app, endpoints=[f"tcp:port={port}:interface={host}"], signal_handlers=True, verbosity=0,
            application_close_timeout=5).run()
+
+
+def _say_goodbye(router):
+    """On shutdown, tell the other router processes (if any) to stop counting this one's load."""
+    if router.index_sync is None:
+        return None
+    from twisted.internet.defer import Deferred
+    return Deferred.fromFuture(asyncio.ensure_future(router.index_sync.goodbye()))
 
 
 def _with_static(application, handler):

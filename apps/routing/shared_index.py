@@ -10,7 +10,8 @@ the network). What one process routes, it also publishes on a Redis channel:
   ``LOAD_HEARTBEAT_S``), a snapshot of its own load per target (requests and prompt tokens in
   flight, predicted prefill not yet done, active sessions, recent requests). The others add it to
   theirs (``RankLoad.set_peer``), so a rank that process A has filled looks busy to process B too.
-  A snapshot older than ``LOAD_TTL_S`` is dropped: a process that died stops counting.
+  A process that stops says goodbye (``goodbye``); one that died without it stops counting when
+  its snapshot is older than ``LOAD_TTL_S``.
 
 Publishing never blocks routing: inserts go into a bounded queue that a background task drains;
 when Redis is slow or away the queue drops the oldest entries (an index is a hint), load snapshots
@@ -111,6 +112,16 @@ class IndexSync:
                 logger.warning("publishing the load snapshot failed: %s", exc)
                 await asyncio.sleep(1.0)
 
+    async def goodbye(self, timeout: float = 1.0) -> None:
+        """Tell the others this process is stopping: its load stops counting at once, not after
+        ``LOAD_TTL_S`` (called on shutdown; a process that dies without it is expired)."""
+        try:
+            client = await self._client()
+            await asyncio.wait_for(client.publish(self.channel, json.dumps({"from": self.origin, "load": {},
+                                                                            "bye": True})), timeout)
+        except Exception as exc:  # Redis away: the others expire this process's load
+            logger.warning("could not say goodbye to the other router processes: %s", exc)
+
     def expire_peers(self, now: float | None = None) -> list[str]:
         """Forget the load of processes not heard from in ``LOAD_TTL_S`` (stopped or cut off)."""
         now = time.monotonic() if now is None else now
@@ -148,7 +159,10 @@ class IndexSync:
         if not isinstance(message, dict) or message.get("from") == self.origin:
             return 0
         if "load" in message:
-            return self.apply_load(message["from"], message["load"])
+            applied = self.apply_load(message["from"], message["load"])
+            if message.get("bye"):
+                self.peer_seen.pop(message["from"], None)
+            return applied
         known = {t.key for t in self.router.fleet.all_targets()}  # not yet installed here: skipped
         applied = 0
         for item in message.get("inserts") or ():

@@ -71,6 +71,17 @@ def test_snapshot_puts_the_engine_and_the_router_side_by_side(router):
     json.dumps(snap)  # what the websocket sends must be JSON
 
 
+def test_in_flight_counts_every_router_process(router):
+    worker = make_worker(router)
+    t0 = router.fleet.targets[worker.id][0]
+    ticket = t0.load.begin(100, 100)
+    t0.load.set_peer("other-process", requests=3, prompt_tokens=900, prefill_tokens=0)
+    rank0, rank1 = build_snapshot(router)["workers"][0]["ranks"]
+    assert (rank0["inflight_requests"], rank0["inflight_tokens"]) == (4, 1000)
+    assert (rank1["inflight_requests"], rank1["inflight_tokens"]) == (0, 0)
+    t0.load.end(ticket)
+
+
 def test_series_are_per_interval_and_survive_an_engine_restart(router):
     worker = make_worker(router, dp_size=1)
     rank = worker.ranks.get()

@@ -104,7 +104,7 @@ def test_a_prompt_routed_by_one_router_process_is_a_hit_through_another(tmp_path
 @pytest.mark.slow
 def test_router_processes_balance_the_fleet_together(tmp_path, redis_url):
     """Process a holds two long streams on two of four ranks; process b, which routed none of them,
-    sends its own new requests to the two idle ranks. When a stops, b forgets a's load."""
+    sends its own new requests to the two idle ranks. When a stops, b forgets a's load at once."""
     slow = Behaviour(tokens=40, token_interval_s=0.25)  # ~10 s streams
     with StandIn(dp_size=4, model="standin-peers", default=slow).start() as standin:
         env = {"DATABASE_URL": f"sqlite:///{tmp_path}/peers.sqlite3", "REDIS_URL": redis_url}
@@ -132,9 +132,10 @@ def test_router_processes_balance_the_fleet_together(tmp_path, redis_url):
                     placed.append(int(r.headers["x-data-parallel-rank"]))
                 assert not busy & set(placed), (busy, placed)
                 assert len(set(placed)) == 2  # and spread over the idle two
-                a.stop()
-                assert wait_for(lambda: counter(b.url, "dpmesh_router_peers") == 0, timeout=LOAD_TTL_S + 3)
-                assert counter(b.url, "dpmesh_router_peer_inflight_requests") == 0
+                a.stop()  # it says goodbye: b stops counting its load at once, not after LOAD_TTL_S
+                assert wait_for(lambda: (counter(b.url, "dpmesh_router_peers"),
+                                         counter(b.url, "dpmesh_router_peer_inflight_requests")) == (0, 0),
+                                timeout=LOAD_TTL_S / 3)
         finally:
             for router in routers:
                 router.stop()
@@ -153,3 +154,13 @@ def _hold_stream(url: str, prompt: str, opened: queue.Queue) -> None:
                 pass
     except httpx.HTTPError:
         pass
+
+
+def test_a_goodbye_drops_the_peer_at_once():
+    router = Router(RouterConfig())
+    router.fleet.put(worker_view(1, url="http://w1", dp_size=1))
+    sync = IndexSync(router, "redis://unused")
+    sync.apply(json.dumps({"from": "b", "load": {"http://w1@0": [2, 20, 0, 0, 0]}}))
+    assert sync.peer_seen.keys() == {"b"} and router.fleet.targets[1][0].load.inflight == 2
+    sync.apply(json.dumps({"from": "b", "load": {}, "bye": True}))
+    assert sync.peer_seen == {} and router.fleet.targets[1][0].load.inflight == 0
