@@ -144,6 +144,8 @@ CONTROL_PLANE = namespaced_settings(
         "DASHBOARD_WINDOW_S": 600.0,
         # With REDIS_URL: router processes publish their prefix-index inserts and load to each other.
         "SHARE_INDEX": True,
+        # Follow the KV events of engines that publish them (ours: GET /kv_events) into the index.
+        "KV_EVENTS": True,
     },
 )
 

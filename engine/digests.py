@@ -14,6 +14,10 @@ import xxhash
 
 _U64 = struct.Struct("<Q")
 
+# How /server_info names this scheme (``prefix_digest``): a router uses an engine's KV events only
+# when the engine's digests are the ones it computes itself.
+SCHEME = "xxh64-chained/parent-u64le+tokens-i32le/seed0"
+
 
 def block_digest(parent: int | None, token_ids: Sequence[int]) -> int:
     """Digest of one full block given its parent's digest (None for the first block)."""

@@ -7,6 +7,7 @@ import os
 import httpx
 
 from apps.replicas.fleet import WorkerView
+from engine.digests import SCHEME
 
 
 class DiscoveryError(Exception):
@@ -65,4 +66,6 @@ def view_of(worker, tokenizer_path: str | None = None) -> WorkerView:
                       block_size=block if path else None, tokenizer_path=path,
                       capacity_blocks=info.get("num_kv_blocks_per_rank"), draining=worker.draining,
                       instance_id=info.get("instance_id"),
+                      kv_events=info.get("kv_events") if path and block and info.get("prefix_digest") == SCHEME
+                      else None,
                       healthy=worker.health != worker.Health.UNHEALTHY)

@@ -27,6 +27,7 @@ class WorkerView:
     healthy: bool = True
     draining: bool = False
     instance_id: str | None = None  # changes when the engine restarts (its prefix caches are then empty)
+    kv_events: str | None = None  # the engine's KV events path, when its digests are the router's own
     consecutive_failures: int = 0
     consecutive_successes: int = 0
 

@@ -1,9 +1,14 @@
 """The router's model of each rank's prefix cache: which block digests it probably holds.
 
-Approximate, like Dynamo's "approximate mode": a request's digests are inserted for the rank it
-was routed to. Each rank's set is an LRU bounded by that rank's KV capacity (an engine cannot
-hold more blocks than its pool), and entries expire after a TTL. A wrong prediction heals by
-itself: a request that missed has recomputed and cached those blocks by the time it finishes.
+A request's digests are inserted for the rank it was routed to (Dynamo's "approximate mode").
+Each rank's set is an LRU bounded by that rank's KV capacity (an engine cannot hold more blocks
+than its pool), and entries expire after a TTL. A wrong prediction heals by itself: a request that
+missed has recomputed and cached those blocks by the time it finishes.
+
+Engines that publish their KV events (ours: ``GET /kv_events``, apps/routing/kv_events.py) also
+correct it: a snapshot replaces a rank's set (``replace``), stored blocks are inserted, evicted
+ones removed (``remove``). The inserts at routing time stay: they cover the requests whose
+blocks the engine has not stored yet (a burst of siblings).
 """
 from __future__ import annotations
 
@@ -69,6 +74,30 @@ class PrefixIndex:
             if digest in lru:
                 lru.move_to_end(digest)
             else:
+                self.owners.setdefault(digest, set()).add(key)
+            lru[digest] = now
+        self._trim(key)
+
+    def remove(self, key: str, digests: list[int]) -> int:
+        """Rank ``key`` no longer holds ``digests`` (its engine evicted them); returns how many it had."""
+        lru = self.ranks.get(key)
+        if lru is None:
+            return 0
+        removed = 0
+        for digest in digests:
+            if lru.pop(digest, None) is not None:
+                self._disown(digest, key)
+                removed += 1
+        return removed
+
+    def replace(self, key: str, digests: list[int]) -> None:
+        """Rank ``key`` holds exactly ``digests`` (an engine's snapshot), all as recently used."""
+        keep = set(digests)
+        lru = self.ranks.setdefault(key, OrderedDict())
+        self.remove(key, [d for d in lru if d not in keep])
+        now = self.clock()
+        for digest in digests:
+            if digest not in lru:
                 self.owners.setdefault(digest, set()).add(key)
             lru[digest] = now
         self._trim(key)

@@ -82,6 +82,16 @@ class RouterCollector:
                                       "router processes", value=sync.load_applied)
             yield GaugeMetricFamily(f"{PREFIX}_peers", "Other router processes whose load counts here",
                                     value=len(sync.peer_seen))
+        feed = self.router.kv_feed
+        if feed is not None:
+            yield CounterMetricFamily(f"{PREFIX}_kv_events_applied", "KV event messages (snapshots and batches) "
+                                      "from engines applied to the prefix index", value=feed.applied)
+            family = GaugeMetricFamily(f"{PREFIX}_kv_events_connected", "1 while the router follows the worker's "
+                                       "KV events", labels=["worker"])
+            for view in self.router.fleet.workers.values():
+                if view.kv_events:
+                    family.add_metric([view.url], int(view.worker_id in feed.connected))
+            yield family
         yield CounterMetricFamily(f"{PREFIX}_retries", "Upstream attempts retried on another target",
                                   value=self.router.stats.retries)
         yield CounterMetricFamily(f"{PREFIX}_no_target", "Requests refused because no target was available",

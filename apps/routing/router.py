@@ -83,6 +83,7 @@ class Router:
         self.db_fingerprints: dict[int, tuple] = {}  # worker id -> what was installed (background.sync_fleet)
         self.index_listeners: list = []  # called with (target key, digests) after each routed insert
         self.index_sync = None  # apps.routing.shared_index.IndexSync when several processes share (REDIS_URL)
+        self.kv_feed = None  # apps.routing.kv_events.KVEventsFeed: engines' KV events into the index
         self.background_tasks: list = []  # the process's loops (apps/replicas/serving.py startup)
         self.persisted: dict[str, dict[str, int]] = {}  # target key -> counters in the database (persist.py)
         # True from process start until startup() has restored the fleet, added the given workers and

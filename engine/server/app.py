@@ -1,10 +1,11 @@
-"""The engine's ASGI application: OpenAI endpoints, /server_info, /health, /metrics.
+"""The engine's ASGI application: OpenAI endpoints, /server_info, /health, /metrics, /kv_events.
 
 A plain ASGI callable (no framework) served by daphne: the hot path is parse → choose rank →
 relay outputs, and each streamed token leaves as its own SSE event.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -18,6 +19,8 @@ from engine.server.frontend import EngineClient, RankFailed, RankUnavailable
 from engine.server.metrics import make_registry, render
 
 logger = logging.getLogger("engine.front")
+
+KV_KEEPALIVE_S = 10.0
 
 
 
@@ -57,6 +60,7 @@ class EngineApp:
             ("GET", "/get_server_info"): self.server_info,
             ("GET", "/v1/models"): self.models,
             ("GET", "/metrics"): self.metrics,
+            ("GET", "/kv_events"): self.kv_events,
             ("POST", "/v1/completions"): self.completions,
             ("POST", "/v1/chat/completions"): self.chat_completions,
         }
@@ -99,6 +103,34 @@ class EngineApp:
 
     async def metrics(self, scope, receive, send):
         await send_body(send, 200, render(self.registry), b"text/plain; version=0.0.4; charset=utf-8")
+
+    async def kv_events(self, scope, receive, send):
+        """The prefix caches as they change, for routers (SSE, never ends by itself): first one
+        ``{"rank", "snapshot": [digest, ...]}`` per rank, then ``{"rank", "events": [["stored" |
+        "removed", [digest, ...]], ...]}`` in the order the rank produced them. Digests are
+        DESIGN.md's chained block digests, the ones a router computes from the prompt."""
+        sub = self.client.kv_subscribe()
+        try:
+            await until_disconnect(self._relay_kv_events(sub, send), receive)
+        finally:
+            self.client.kv_unsubscribe(sub)
+
+    async def _relay_kv_events(self, sub, send):
+        await start_sse(send)
+        for rank, digests in sorted(sub.snapshot.items()):
+            await send_event(send, {"rank": rank, "snapshot": digests})
+        while not sub.overflowed:
+            try:
+                item = await asyncio.wait_for(sub.queue.get(), KV_KEEPALIVE_S)
+            except asyncio.TimeoutError:
+                await send_chunk(send, b": keepalive\n\n")  # lets the reader tell a quiet engine from a dead one
+                continue
+            if item is None:
+                break
+            rank, events = item
+            await send_event(send, {"rank": rank, "events": events})
+        await send_event(send, {"error": "this reader fell too far behind; reconnect for a new snapshot"})
+        await end_body(send)
 
     # ----- generation ----------------------------------------------------------------------------
     async def completions(self, scope, receive, send):

@@ -51,10 +51,35 @@ class RankState:
     inflight_tokens: int = 0
     counters: RankCounters = field(default_factory=RankCounters)
     streams: dict[str, asyncio.Queue] = field(default_factory=dict)
+    cached: set[int] = field(default_factory=set)  # digests the rank's prefix cache holds (its KV events)
 
     @property
     def alive(self) -> bool:
         return self.ready and self.dead_reason is None
+
+
+KV_SUBSCRIBER_BACKLOG = 10_000  # event batches a /kv_events reader may fall behind before it is cut off
+
+
+class KVSubscription:
+    """One reader of the engine's KV events: a snapshot of every rank's cached digests, then each
+    rank's events in order. A reader that falls ``KV_SUBSCRIBER_BACKLOG`` batches behind is cut
+    off (``overflowed``) rather than buffered without bound; it reconnects for a new snapshot."""
+
+    def __init__(self, snapshot: dict[int, list[int]]):
+        self.snapshot = snapshot
+        self.queue: asyncio.Queue = asyncio.Queue(KV_SUBSCRIBER_BACKLOG)
+        self.overflowed = False
+
+    def push(self, item) -> None:
+        if self.overflowed:
+            return
+        try:
+            self.queue.put_nowait(item)
+        except asyncio.QueueFull:
+            self.overflowed = True
+            self.queue = asyncio.Queue(1)
+            self.queue.put_nowait(None)  # the reader's wake-up: it ends the stream
 
 
 class RankFailed(Exception):
@@ -76,6 +101,7 @@ class EngineClient:
         self._cursor = itertools.count()
         self._ids = itertools.count()
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.kv_subscriptions: set[KVSubscription] = set()
 
     # ----- lifecycle -------------------------------------------------------------------------
     def start(self, threads_per_rank: int) -> None:
@@ -150,6 +176,8 @@ class EngineClient:
     def _on_outputs(self, state: RankState, msg: Outputs) -> None:
         if msg.stats is not None:
             state.stats = msg.stats
+        if msg.kv_events:
+            self._on_kv_events(state, msg.kv_events)
         for rid, error in msg.errors.items():
             queue = state.streams.get(rid)
             if queue is not None:
@@ -159,7 +187,29 @@ class EngineClient:
             if queue is not None:
                 queue.put_nowait(out)
 
+    def _on_kv_events(self, state: RankState, events: list[tuple[str, list[int]]]) -> None:
+        for kind, digests in events:
+            if kind == "stored":
+                state.cached.update(digests)
+            else:
+                state.cached.difference_update(digests)
+        for sub in self.kv_subscriptions:
+            sub.push((state.rank, events))
+
+    # ----- KV events for routers (GET /kv_events) ------------------------------------------------
+    def kv_subscribe(self) -> KVSubscription:
+        """A consistent start: the snapshot and the events after it (taken on the loop, where
+        events are applied, so none falls between the two)."""
+        sub = KVSubscription({s.rank: list(s.cached) for s in self.ranks})
+        self.kv_subscriptions.add(sub)
+        return sub
+
+    def kv_unsubscribe(self, sub: KVSubscription) -> None:
+        self.kv_subscriptions.discard(sub)
+
     def _on_death(self, state: RankState, reason: str) -> None:
+        if state.cached:  # its KV pool is gone with it
+            self._on_kv_events(state, [("removed", list(state.cached))])
         if state.dead_reason is None:
             state.dead_reason = reason
             logger.error("DP rank %d died: %s; failing %d in-flight requests", state.rank, reason, len(state.streams))

@@ -8,6 +8,8 @@ import sys
 import threading
 import uuid
 
+from engine.digests import SCHEME
+
 logger = logging.getLogger("engine.front")
 
 DEFAULT_PORT = 8000
@@ -103,7 +105,8 @@ def server_info(args, client, model_path: str, dp_size: int, tp_size: int) -> di
         "model_path": model_path, "dp_size": dp_size, "tp_size": tp_size, "block_size": args.block_size,
         "num_kv_blocks_per_rank": first.num_kv_blocks, "max_model_len": first.max_model_len,
         "dp_load_balance": args.dp_load_balance, "enable_prefix_caching": True,
-        "prefix_digest": "xxh64-chained/parent-u64le+tokens-i32le/seed0",
+        "prefix_digest": SCHEME,
+        "kv_events": "/kv_events",  # the prefix caches as they change (SSE), for precise routing
         # new at every start: a router that sees it change knows the prefix caches are empty
         "instance_id": uuid.uuid4().hex,
     }

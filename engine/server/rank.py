@@ -7,6 +7,7 @@ import sys
 import time
 from multiprocessing.connection import Connection
 
+from engine.block_manager import BlockStored
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.server.ipc import AbortRequest, AddRequest, Outputs, RankReady, RankStats, Shutdown
@@ -30,6 +31,11 @@ def snapshot(engine: LLMEngine, rank: int) -> RankStats:
                      kv_blocks_used=usage.used, kv_blocks_cached=usage.cached_free, kv_blocks_total=usage.total,
                      num_preemptions=sched.num_preemptions, prefix_cache_requests=total.requests,
                      prefix_cache_prompt_tokens=total.total_tokens, prefix_cache_cached_tokens=total.cached_tokens)
+
+
+def kv_events(events) -> list[tuple[str, list[int]]]:
+    """The block manager's events as the front keeps them: only the digests travel."""
+    return [("stored" if isinstance(e, BlockStored) else "removed", e.digests) for e in events]
 
 
 class RankLoop:
@@ -69,8 +75,9 @@ class RankLoop:
         stats = None
         if (idle and self.stats_dirty) or now - self.last_stats >= STATS_PERIOD_S:
             stats, self.last_stats, self.stats_dirty = snapshot(self.engine, self.rank), now, False
-        if outputs or self.errors or stats:
-            self.outbox.send(Outputs(self.rank, outputs, self.errors, stats))
+        events = kv_events(self.engine.block_manager.drain_events())
+        if outputs or self.errors or stats or events:
+            self.outbox.send(Outputs(self.rank, outputs, self.errors, stats, events or None))
             self.errors = {}
 
     def run(self) -> None:

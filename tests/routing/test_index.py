@@ -179,3 +179,26 @@ def test_fan_out_is_forgotten_with_the_blocks(index):
     assert index.owners == {} and index.first_child == {} and index.branching == set()
     index.insert("a", [1, 4])
     assert index.shared_blocks([1, 4]) == 0
+
+
+def test_remove_forgets_what_the_engine_evicted(index):
+    index.insert("a", [1, 2, 3])
+    index.insert("b", [1, 2])
+    assert index.remove("a", [2, 3, 99]) == 2
+    assert index.remove("nobody", [1]) == 0
+    assert index.match([1, 2, 3]) == {"a": 1, "b": 2}
+    assert_consistent(index)
+
+
+def test_replace_makes_a_rank_hold_exactly_the_snapshot(index, clock):
+    index.insert("a", [1, 2, 3])
+    index.insert("b", [1, 2])
+    index.replace("a", [1, 2, 7, 8])
+    assert index.match([1, 2, 3]) == {"a": 2, "b": 2}
+    assert index.match([7, 8]) == {"a": 2}
+    assert index.size("a") == 4
+    index.replace("c", [5])  # a rank the index had not heard of
+    assert index.match([5]) == {"c": 1}
+    index.replace("a", [])
+    assert index.size("a") == 0 and index.match([1, 2]) == {"b": 2}
+    assert_consistent(index)

@@ -1,0 +1,117 @@
+"""Precise prefix index: follow each engine's KV events (``GET /kv_events``) into the router's index.
+
+Our engine publishes, per DP rank, a snapshot of the block digests its prefix cache holds and then
+every block it stores or evicts (engine/server/app.py). A router that computes the same digests
+(the engine's ``prefix_digest`` scheme, from the engine's own tokenizer and block size) applies
+them to its ``PrefixIndex``: a snapshot replaces the rank's set, stored blocks are inserted,
+evicted ones removed. Without this the index only knows where the router sent prompts, so it
+keeps predicting hits for blocks the engine evicted under memory pressure, and for a rank whose
+process died.
+
+One reader task per worker that offers the events; a worker without them (vLLM, SGLang, an engine
+whose digests differ) stays in approximate mode. Readers reconnect with backoff, and start over
+from a new snapshot when the engine restarts (its ``instance_id`` changes). The engine sends a
+keep-alive comment every 10 s, so a reader that hears nothing for ``READ_TIMEOUT_S`` reconnects.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import aiohttp
+
+from apps.replicas.discovery import auth_headers
+
+logger = logging.getLogger(__name__)
+
+READ_TIMEOUT_S = 35.0
+RECONCILE_INTERVAL_S = 1.0
+
+
+class KVEventsFeed:
+    def __init__(self, router):
+        self.router = router
+        self.readers: dict[int, tuple[tuple, asyncio.Task]] = {}  # worker id -> (what it follows, task)
+        self.connected: set[int] = set()
+        self.applied = 0  # messages (snapshots and event batches) applied to the index
+
+    # ----- which workers to follow ---------------------------------------------------------------
+    def wanted(self) -> dict[int, tuple]:
+        return {view.worker_id: (view.url, view.kv_events, view.api_key, view.instance_id)
+                for view in self.router.fleet.workers.values() if view.kv_events and view.dp_aware}
+
+    def reconcile(self) -> None:
+        """Start a reader for each worker that offers events, stop the others (removed, changed,
+        restarted: a restarted engine's reader starts over from a new snapshot)."""
+        wanted = self.wanted()
+        for worker_id, (spec, task) in list(self.readers.items()):
+            if wanted.get(worker_id) != spec:
+                task.cancel()
+                del self.readers[worker_id]
+                self.connected.discard(worker_id)
+        for worker_id, spec in wanted.items():
+            if worker_id not in self.readers:
+                self.readers[worker_id] = (spec, asyncio.ensure_future(self._follow(worker_id, spec)))
+
+    async def run(self) -> None:
+        try:
+            while True:
+                self.reconcile()
+                await asyncio.sleep(RECONCILE_INTERVAL_S)
+        finally:
+            for _, task in self.readers.values():
+                task.cancel()
+
+    # ----- one worker ------------------------------------------------------------------------------
+    async def _follow(self, worker_id: int, spec: tuple) -> None:
+        url, path, api_key, _ = spec
+        backoff = 0.5
+        while True:
+            try:
+                await self._read(worker_id, url + path, api_key)
+                backoff = 0.5  # the engine ended the stream (this reader fell behind): start over now
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # engine down or restarting: the health loop says so too
+                logger.debug("KV events of %s: %r; reconnecting in %.1f s", url, exc, backoff)
+            self.connected.discard(worker_id)
+            await asyncio.sleep(backoff)
+            backoff = min(10.0, backoff * 2)
+
+    async def _read(self, worker_id: int, url: str, api_key: str) -> None:
+        timeout = aiohttp.ClientTimeout(total=None, connect=5.0, sock_read=READ_TIMEOUT_S)
+        async with aiohttp.ClientSession(timeout=timeout) as session, \
+                session.get(url, headers=auth_headers(api_key)) as response:
+            if response.status != 200:
+                raise RuntimeError(f"{url} answered {response.status}")
+            self.connected.add(worker_id)
+            logger.info("following the KV events of %s", url)
+            buffer = b""
+            async for chunk in response.content.iter_any():  # a snapshot can be longer than any line limit
+                buffer += chunk
+                *events, buffer = buffer.split(b"\n\n")
+                for event in events:
+                    for line in event.split(b"\n"):
+                        if line.startswith(b"data: "):
+                            self.apply(worker_id, json.loads(line[len(b"data: "):]))
+
+    def apply(self, worker_id: int, message: dict) -> bool:
+        """Apply one message of a worker's stream to the index; False when it names no target here."""
+        view = self.router.fleet.workers.get(worker_id)
+        rank = message.get("rank")
+        if view is None or not isinstance(rank, int):
+            return False
+        key = f"{view.url}@{rank}"
+        if not any(t.key == key for t in self.router.fleet.targets.get(worker_id, ())):
+            return False
+        index = self.router.index
+        if "snapshot" in message:
+            index.replace(key, message["snapshot"])
+        for kind, digests in message.get("events") or ():
+            if kind == "stored":
+                index.insert(key, digests)
+            elif kind == "removed":
+                index.remove(key, digests)
+        self.applied += 1
+        return True
