@@ -61,10 +61,11 @@ async def startup(router, worker_urls: list[str], policy_flag: str | None = None
 
     from apps.replicas.health import health_loop
     from apps.replicas.services import fleet_restore, worker_add
-    from apps.routing import background
+    from apps.routing import background, jobs
     from apps.routing.persist import stats_loop
 
     router.starting = True
+    jobs.notify_on(asyncio.get_running_loop())
     try:
         restored = await fleet_restore(router=router)
         for url in worker_urls:

@@ -27,6 +27,15 @@ from apps.replicas.services import save_worker
 logger = logging.getLogger(__name__)
 
 DASHBOARD_GROUP = "dashboard"
+
+# In a router process: its event loop, where dashboard nudges are sent without waiting (a job
+# thread that waited on the loop would hang the process's exit once the loop has stopped).
+_router_loop: asyncio.AbstractEventLoop | None = None
+
+
+def notify_on(loop: asyncio.AbstractEventLoop | None) -> None:
+    global _router_loop
+    _router_loop = loop
 SAMPLE_FIELDS = ("requests", "prompt_tokens", "cached_tokens", "running", "waiting", "kv_blocks_used",
                  "kv_blocks_total")
 
@@ -134,7 +143,8 @@ def refresh_discovery(timeout: float = 10.0) -> dict[str, int]:
     loop's business."""
     workers = list(Worker.objects.exclude(server_info={}))
     checked = changed = 0
-    for worker, info in zip(workers, async_to_sync(_fetch_all)(workers, timeout)):
+    # a loop of this thread's own: never the router's, which may stop while this job runs
+    for worker, info in zip(workers, asyncio.run(_fetch_all(workers, timeout))):
         if not isinstance(info, dict) or info.get("foreign"):
             continue  # unreachable now, or a server without /server_info: nothing to refresh
         checked += 1
@@ -155,9 +165,22 @@ def notify_dashboard(reason: str) -> None:
     layer = get_channel_layer()
     if layer is None:
         return
-    try:
-        async_to_sync(layer.group_send)(DASHBOARD_GROUP, {"type": "fleet.changed", "reason": reason})
+    message = {"type": "fleet.changed", "reason": reason}
+    loop = _router_loop
+    if loop is not None:  # fire and forget on the router's loop (the in-memory layer lives there)
+        if not loop.is_closed():  # closed: the process is stopping, nobody is watching
+            loop.call_soon_threadsafe(lambda: asyncio.ensure_future(_send(layer, message)))
+        return
+    try:  # a Celery worker: no loop of ours here, so wait for the send on a loop of its own
+        async_to_sync(layer.group_send)(DASHBOARD_GROUP, message)
     except Exception:  # a dashboard nudge must never fail the job
+        logger.debug("could not notify the dashboard", exc_info=True)
+
+
+async def _send(layer, message: dict) -> None:
+    try:
+        await layer.group_send(DASHBOARD_GROUP, message)
+    except Exception:
         logger.debug("could not notify the dashboard", exc_info=True)
 
 

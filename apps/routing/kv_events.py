@@ -8,6 +8,12 @@ evicted ones removed. Without this the index only knows where the router sent pr
 keeps predicting hits for blocks the engine evicted under memory pressure, and for a rank whose
 process died.
 
+The events lag the routing. A block the engine evicts just before a request routed there is
+admitted is removed from the index while that request is about to store it again; under memory
+pressure that sends its siblings elsewhere, to miss. So a removal of a digest that routing sent to
+that rank in the last ``ROUTED_GRACE_S`` is deferred: applied after the grace unless the engine
+stores the digest again first (then the in-flight request has re-cached it).
+
 One reader task per worker that offers the events; a worker without them (vLLM, SGLang, an engine
 whose digests differ) stays in approximate mode. Readers reconnect with backoff, and start over
 from a new snapshot when the engine restarts (its ``instance_id`` changes). The engine sends a
@@ -18,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 
 import aiohttp
 
@@ -27,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 READ_TIMEOUT_S = 35.0
 RECONCILE_INTERVAL_S = 1.0
+ROUTED_GRACE_S = 5.0
 
 
 class KVEventsFeed:
@@ -35,6 +43,32 @@ class KVEventsFeed:
         self.readers: dict[int, tuple[tuple, asyncio.Task]] = {}  # worker id -> (what it follows, task)
         self.connected: set[int] = set()
         self.applied = 0  # messages (snapshots and event batches) applied to the index
+        self.followed: set[str] = set()  # target keys whose snapshot arrived
+        self.routed: dict[str, dict[int, float]] = {}  # target key -> digest -> when routing last sent it
+        self.deferred: dict[tuple[str, int], float] = {}  # (target key, digest) -> when its removal arrived
+        self.clock = time.monotonic
+        router.index_listeners.append(self.on_route)
+
+    def on_route(self, key: str, digests: list[int]) -> None:
+        """An index listener: what routing sends to a followed rank is protected for a while."""
+        if key in self.followed:
+            now = self.clock()
+            routed = self.routed.setdefault(key, {})
+            for digest in digests:
+                routed.pop(digest, None)  # to the end: the dict stays in time order
+                routed[digest] = now
+
+    def flush(self, now: float | None = None) -> int:
+        """Apply the deferred removals whose grace is over; forget old routing times."""
+        now = self.clock() if now is None else now
+        due = [item for item, at in self.deferred.items() if now - at >= ROUTED_GRACE_S]
+        for key, digest in due:
+            del self.deferred[(key, digest)]
+            self.router.index.remove(key, [digest])
+        for key, routed in self.routed.items():
+            if routed and now - next(iter(routed.values())) >= ROUTED_GRACE_S:  # oldest first: dicts keep order
+                self.routed[key] = {d: at for d, at in routed.items() if now - at < ROUTED_GRACE_S}
+        return len(due)
 
     # ----- which workers to follow ---------------------------------------------------------------
     def wanted(self) -> dict[int, tuple]:
@@ -58,6 +92,7 @@ class KVEventsFeed:
         try:
             while True:
                 self.reconcile()
+                self.flush()
                 await asyncio.sleep(RECONCILE_INTERVAL_S)
         finally:
             for _, task in self.readers.values():
@@ -108,10 +143,24 @@ class KVEventsFeed:
         index = self.router.index
         if "snapshot" in message:
             index.replace(key, message["snapshot"])
+            self.followed.add(key)
+            for item in [item for item in self.deferred if item[0] == key]:
+                del self.deferred[item]
+        now = self.clock()
+        routed = self.routed.get(key, {})
         for kind, digests in message.get("events") or ():
             if kind == "stored":
                 index.insert(key, digests)
+                for digest in digests:
+                    self.deferred.pop((key, digest), None)
             elif kind == "removed":
-                index.remove(key, digests)
+                gone = []
+                for digest in digests:
+                    at = routed.get(digest)
+                    if at is not None and now - at < ROUTED_GRACE_S:
+                        self.deferred[(key, digest)] = now  # a request routed there may be re-storing it
+                    else:
+                        gone.append(digest)
+                index.remove(key, gone)
         self.applied += 1
         return True

@@ -195,6 +195,7 @@ async def test_fleet_restore_rebuilds_targets_from_the_database(engine, router, 
 async def test_health_is_503_until_startup_has_restored_the_fleet(engine, router, client):
     """A process that answers /health 200 serves with the fleet and policy it restored, not a partial one."""
     from apps.replicas.serving import startup
+    from apps.routing.jobs import notify_on
     await add(client, engine.url)
     restarted = set_router(Router(RouterConfig(dp_aware=True)))
     restarted.starting = True  # as serve_router sets it before the socket listens
@@ -208,6 +209,7 @@ async def test_health_is_503_until_startup_has_restored_the_fleet(engine, router
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        notify_on(None)  # startup() pointed dashboard nudges at this test's loop
 
 
 async def test_proxy_reports_the_rank_and_leaves_no_load(engine, router, client):

@@ -3,11 +3,13 @@ the policy switch), the staff-only views, and the jobs' pure parts (metrics pars
 The browser test (tests/routing/test_dashboard_browser.py) drives all of it against real processes."""
 from __future__ import annotations
 
+import asyncio
 import json
 from datetime import timedelta
 
 import pytest
 from asgiref.sync import sync_to_async
+from channels.layers import get_channel_layer
 from channels.testing import WebsocketCommunicator
 from django.contrib.auth import get_user_model
 from django.test import override_settings
@@ -251,3 +253,24 @@ def test_the_dashboard_needs_a_csrf_token_for_its_actions(router):
     client.login(username="ops", password="pw-ops-123")
     r = client.post("/dashboard/policy", json.dumps({"policy": "random"}), content_type="application/json")
     assert r.status_code == 403 and router.policy.name == "cache_aware"
+
+
+# ----- nudges from job threads ----------------------------------------------------------------------
+async def test_nudges_from_job_threads_are_sent_on_the_router_loop_without_waiting():
+    """A job thread must not wait on the router's loop: once the loop stops (the process is
+    exiting), a waiting thread would keep the interpreter from ever exiting."""
+    layer = get_channel_layer()
+    channel = await layer.new_channel()
+    await layer.group_add(jobs.DASHBOARD_GROUP, channel)
+    jobs.notify_on(asyncio.get_running_loop())
+    try:
+        await asyncio.to_thread(jobs.notify_dashboard, "scraped")
+        assert (await asyncio.wait_for(layer.receive(channel), 5))["reason"] == "scraped"
+        stopped = asyncio.new_event_loop()  # a loop that no longer runs
+        jobs.notify_on(stopped)
+        await asyncio.wait_for(asyncio.to_thread(jobs.notify_dashboard, "scraped"), 5)  # returns at once
+        stopped.close()
+        await asyncio.wait_for(asyncio.to_thread(jobs.notify_dashboard, "scraped"), 5)
+    finally:
+        jobs.notify_on(None)
+        await layer.group_discard(jobs.DASHBOARD_GROUP, channel)

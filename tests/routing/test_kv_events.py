@@ -9,9 +9,9 @@ import httpx
 import pytest
 
 from apps.replicas.fleet import WorkerView
-from apps.routing.kv_events import KVEventsFeed
+from apps.routing.kv_events import ROUTED_GRACE_S, KVEventsFeed
 from apps.routing.router import Router, RouterConfig
-from tests.routing.helpers import worker_view
+from tests.routing.helpers import Clock, worker_view
 from tests.support.procs import metrics, start_engine, wait_for
 from tests.support.router_checks import counter, start_router
 
@@ -97,3 +97,23 @@ def test_the_router_forgets_what_the_engine_evicted(tmp_path):
         assert send(prompt) == (96, 96)
         assert wait_for(index_is_the_engines_cache, timeout=10)
         assert counter(router.url, "dpmesh_router_kv_events_applied_total") >= 5
+
+
+def test_a_removal_racing_a_routed_request_waits_for_the_engine_to_store_again():
+    router, feed = feed_with(worker_view(1, url="http://w1", dp_size=1, kv_events="/kv_events"))
+    clock = Clock()
+    feed.clock = clock
+    key = "http://w1@0"
+    feed.apply(1, {"rank": 0, "snapshot": [1, 2, 3, 4]})
+    router.route({"prompt": [5] * 40}, False, None)  # not these digests: no protection for them
+    feed.on_route(key, [1, 2])  # a request just routed there needs blocks 1 and 2
+    feed.apply(1, {"rank": 0, "events": [["removed", [1, 2, 3]]]})  # evicted before it was admitted
+    assert router.index.match([1, 2]) == {key: 2} and router.index.match([3]) == {}
+    feed.apply(1, {"rank": 0, "events": [["stored", [1]]]})  # the request re-cached block 1, not block 2
+    clock.now += ROUTED_GRACE_S
+    assert feed.flush() == 1  # block 2's removal is applied after the grace
+    assert router.index.match([1, 2]) == {key: 1}
+    feed.on_route(key, [9])
+    clock.now += ROUTED_GRACE_S
+    feed.flush()
+    assert feed.routed[key] == {} and feed.deferred == {}  # old routing times are forgotten
