@@ -77,8 +77,7 @@ async def startup(router, worker_urls: list[str], policy_flag: str | None = None
     loops = [health_loop(router), stats_loop(router), background.sync_loop(router)]
     if settings.CONTROL_PLANE["KV_EVENTS"]:
         from apps.routing.kv_events import KVEventsFeed
-        router.kv_feed = KVEventsFeed(router)
-        loops.append(router.kv_feed.run())
+        loops.append(KVEventsFeed(router).run())  # it installs itself as router.kv_feed
     if background.embedded():
         loops.append(background.embedded_jobs_loop())
     tasks = []

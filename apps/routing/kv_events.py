@@ -10,9 +10,10 @@ process died.
 
 The events lag the routing. A block the engine evicts just before a request routed there is
 admitted is removed from the index while that request is about to store it again; under memory
-pressure that sends its siblings elsewhere, to miss. So a removal of a digest that routing sent to
-that rank in the last ``ROUTED_GRACE_S`` is deferred: applied after the grace unless the engine
-stores the digest again first (then the in-flight request has re-cached it).
+pressure that sends its siblings elsewhere, to miss. So while a request routed to a rank has not
+been prefilled (no first token yet, not ended), a removal of its digests there is deferred: it is
+dropped if the engine stores the digest again, else applied ``RELEASE_TAIL_S`` after the last
+such request was prefilled (its token and the engine's events travel on different connections).
 
 One reader task per worker that offers the events; a worker without them (vLLM, SGLang, an engine
 whose digests differ) stays in approximate mode. Readers reconnect with backoff, and start over
@@ -25,6 +26,7 @@ import asyncio
 import json
 import logging
 import time
+from collections import Counter
 
 import aiohttp
 
@@ -33,8 +35,9 @@ from apps.replicas.discovery import auth_headers
 logger = logging.getLogger(__name__)
 
 READ_TIMEOUT_S = 35.0
-RECONCILE_INTERVAL_S = 1.0
-ROUTED_GRACE_S = 5.0
+RECONCILE_INTERVAL_S = 0.25  # also how often deferred removals are checked
+RELEASE_TAIL_S = 0.5  # after the prefill: the stored event may still be on its way
+MAX_DEFER_S = 30.0  # a deferred removal is applied by then, whatever happened
 
 
 class KVEventsFeed:
@@ -44,30 +47,43 @@ class KVEventsFeed:
         self.connected: set[int] = set()
         self.applied = 0  # messages (snapshots and event batches) applied to the index
         self.followed: set[str] = set()  # target keys whose snapshot arrived
-        self.routed: dict[str, dict[int, float]] = {}  # target key -> digest -> when routing last sent it
-        self.deferred: dict[tuple[str, int], float] = {}  # (target key, digest) -> when its removal arrived
+        self.pending: dict[str, Counter] = {}  # target key -> digest -> routed requests not yet prefilled
+        # (target key, digest) -> [when its removal arrived, when its last pending request was prefilled]
+        self.deferred: dict[tuple[str, int], list] = {}
         self.clock = time.monotonic
         router.index_listeners.append(self.on_route)
+        router.kv_feed = self
 
     def on_route(self, key: str, digests: list[int]) -> None:
-        """An index listener: what routing sends to a followed rank is protected for a while."""
+        """An index listener: the digests of a request just routed to ``key``."""
         if key in self.followed:
-            now = self.clock()
-            routed = self.routed.setdefault(key, {})
-            for digest in digests:
-                routed.pop(digest, None)  # to the end: the dict stays in time order
-                routed[digest] = now
+            self.pending.setdefault(key, Counter()).update(digests)
+
+    def prefilled(self, key: str, digests: list[int]) -> None:
+        """That request's prompt is computed (its first token arrived) or it ended."""
+        pending = self.pending.get(key)
+        if not pending:
+            return
+        now = self.clock()
+        for digest in digests:
+            left = pending.get(digest, 0) - 1
+            if left > 0:
+                pending[digest] = left
+                continue
+            pending.pop(digest, None)
+            entry = self.deferred.get((key, digest))
+            if entry is not None:
+                entry[1] = now
 
     def flush(self, now: float | None = None) -> int:
-        """Apply the deferred removals whose grace is over; forget old routing times."""
+        """Apply the deferred removals that are due: the tail after their last pending request was
+        prefilled is over (the engine did not store them again), or they waited ``MAX_DEFER_S``."""
         now = self.clock() if now is None else now
-        due = [item for item, at in self.deferred.items() if now - at >= ROUTED_GRACE_S]
+        due = [item for item, (arrived, released) in self.deferred.items()
+               if (released is not None and now - released >= RELEASE_TAIL_S) or now - arrived >= MAX_DEFER_S]
         for key, digest in due:
             del self.deferred[(key, digest)]
             self.router.index.remove(key, [digest])
-        for key, routed in self.routed.items():
-            if routed and now - next(iter(routed.values())) >= ROUTED_GRACE_S:  # oldest first: dicts keep order
-                self.routed[key] = {d: at for d, at in routed.items() if now - at < ROUTED_GRACE_S}
         return len(due)
 
     # ----- which workers to follow ---------------------------------------------------------------
@@ -147,7 +163,7 @@ class KVEventsFeed:
             for item in [item for item in self.deferred if item[0] == key]:
                 del self.deferred[item]
         now = self.clock()
-        routed = self.routed.get(key, {})
+        pending = self.pending.get(key) or {}
         for kind, digests in message.get("events") or ():
             if kind == "stored":
                 index.insert(key, digests)
@@ -156,9 +172,8 @@ class KVEventsFeed:
             elif kind == "removed":
                 gone = []
                 for digest in digests:
-                    at = routed.get(digest)
-                    if at is not None and now - at < ROUTED_GRACE_S:
-                        self.deferred[(key, digest)] = now  # a request routed there may be re-storing it
+                    if pending.get(digest):  # a request routed there may be about to store it again
+                        self.deferred[(key, digest)] = [now, None]
                     else:
                         gone.append(digest)
                 index.remove(key, gone)

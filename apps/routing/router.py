@@ -70,6 +70,7 @@ class Routed:
     started: float = field(default_factory=time.perf_counter)
     first_token_seen: bool = field(default=False)
     trial: bool = field(default=False)  # the half-open circuit's one trial request
+    prefilled: bool = field(default=False)  # its first token arrived, or it ended
 
 
 class Router:
@@ -158,7 +159,16 @@ class Router:
         return shape_request(body, chat, self.config.tokenizer_path or worker.tokenizer_path,
                              worker.block_size or (16 if self.config.tokenizer_path else None))
 
+    def _prefilled(self, routed: Routed) -> None:
+        """The engine has computed (or given up on) the request's prompt: tell the KV-event
+        feed, which keeps blocks routed there but not yet stored from being evicted in the index."""
+        if not routed.prefilled:
+            routed.prefilled = True
+            if self.kv_feed is not None:
+                self.kv_feed.prefilled(routed.target.key, routed.shape.digests)
+
     def first_token(self, routed: Routed) -> None:
+        self._prefilled(routed)
         routed.target.load.first_token(routed.ticket)
         if not routed.first_token_seen:
             routed.first_token_seen = True
@@ -170,6 +180,7 @@ class Router:
         if routed.finished:
             return
         routed.finished = True
+        self._prefilled(routed)
         routed.target.load.end(routed.ticket)
         self.stats.latency.observe(time.perf_counter() - routed.started)
         if ok:

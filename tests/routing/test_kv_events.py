@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from apps.replicas.fleet import WorkerView
-from apps.routing.kv_events import ROUTED_GRACE_S, KVEventsFeed
+from apps.routing.kv_events import RELEASE_TAIL_S, KVEventsFeed
 from apps.routing.router import Router, RouterConfig
 from tests.routing.helpers import Clock, worker_view
 from tests.support.procs import metrics, start_engine, wait_for
@@ -99,21 +99,38 @@ def test_the_router_forgets_what_the_engine_evicted(tmp_path):
         assert counter(router.url, "dpmesh_router_kv_events_applied_total") >= 5
 
 
-def test_a_removal_racing_a_routed_request_waits_for_the_engine_to_store_again():
+def test_a_removal_racing_a_routed_request_waits_until_it_is_prefilled():
     router, feed = feed_with(worker_view(1, url="http://w1", dp_size=1, kv_events="/kv_events"))
     clock = Clock()
     feed.clock = clock
     key = "http://w1@0"
     feed.apply(1, {"rank": 0, "snapshot": [1, 2, 3, 4]})
-    router.route({"prompt": [5] * 40}, False, None)  # not these digests: no protection for them
-    feed.on_route(key, [1, 2])  # a request just routed there needs blocks 1 and 2
-    feed.apply(1, {"rank": 0, "events": [["removed", [1, 2, 3]]]})  # evicted before it was admitted
+    feed.on_route(key, [1, 2])  # two requests just routed there need blocks 1 and 2
+    feed.on_route(key, [1])
+    feed.apply(1, {"rank": 0, "events": [["removed", [1, 2, 3]]]})  # evicted before they were admitted
     assert router.index.match([1, 2]) == {key: 2} and router.index.match([3]) == {}
-    feed.apply(1, {"rank": 0, "events": [["stored", [1]]]})  # the request re-cached block 1, not block 2
-    clock.now += ROUTED_GRACE_S
-    assert feed.flush() == 1  # block 2's removal is applied after the grace
-    assert router.index.match([1, 2]) == {key: 1}
-    feed.on_route(key, [9])
-    clock.now += ROUTED_GRACE_S
-    feed.flush()
-    assert feed.routed[key] == {} and feed.deferred == {}  # old routing times are forgotten
+    feed.apply(1, {"rank": 0, "events": [["stored", [2]]]})  # one of them re-cached block 2
+    feed.prefilled(key, [1, 2])
+    clock.now += RELEASE_TAIL_S
+    assert feed.flush() == 0  # block 1 is still pending for the other request
+    feed.prefilled(key, [1])
+    assert feed.flush() == 0  # the tail: its stored event may be on its way
+    clock.now += RELEASE_TAIL_S
+    assert feed.flush() == 1  # not stored again: the removal stands
+    assert router.index.match([1]) == {} and router.index.match([2]) == {key: 1}
+    assert feed.pending[key] == {} and feed.deferred == {}
+    feed.prefilled(key, [7])  # a request that was never pending here changes nothing
+    assert feed.pending[key] == {}
+
+
+def test_routed_requests_are_pending_until_their_first_token_or_their_end():
+    router, feed = feed_with(worker_view(1, url="http://w1", dp_size=1, kv_events="/kv_events"))
+    feed.apply(1, {"rank": 0, "snapshot": []})
+    routed = router.route({"prompt": "x" * 300}, False, None)
+    assert feed.pending[routed.target.key] == {d: 1 for d in routed.shape.digests}
+    router.first_token(routed)
+    router.finish(routed, ok=True)  # released once only
+    assert feed.pending[routed.target.key] == {}
+    failed = router.route({"prompt": "x" * 300}, False, None)
+    router.finish(failed, ok=False)
+    assert feed.pending[failed.target.key] == {}
