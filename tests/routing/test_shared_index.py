@@ -58,7 +58,7 @@ def test_load_snapshots_publish_own_load_and_apply_others():
                                    "http://w1@1": [-1, 0, 0, 0, 0]}}
     assert sync.apply(json.dumps(other)) == 1  # w9 is not installed here; negative counts are junk
     assert (t0.load.inflight, t0.load.inflight_tokens, t0.load.queued_prefill_tokens) == (3, 420, 180)
-    assert t0.load.active_sessions() == pytest.approx(1.5) and sync.load_applied == 1
+    assert t0.load.active_sessions() == pytest.approx(1.5, rel=1e-3) and sync.load_applied == 1  # decays meanwhile
     assert sync.apply(json.dumps({"from": "b", "load": {}})) == 0  # b's load on w1@0 is over
     assert t0.load.inflight == 1 and "b" in sync.peer_seen
 
