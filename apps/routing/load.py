@@ -84,6 +84,8 @@ class RankLoad:
         self.peer_prefill_tokens = sum(p.prefill_tokens for p in peers)
 
     def _peers_decayed(self, field: str, half_life: float, now: float) -> float:
+        if not self.peers:  # the usual case (one router process): no generator on the hot path
+            return 0.0
         return sum(getattr(p, field) * math.exp2(-(now - p.at) / half_life) for p in self.peers.values())
 
     def _decay(self, now: float) -> float:
@@ -98,8 +100,7 @@ class RankLoad:
     def recent_requests(self, now: float | None = None) -> float:
         """Requests dispatched here lately (same decay): the session count, whatever their size."""
         now = self.clock() if now is None else now
-        return self.own_recent_requests(now) + (self._peers_decayed("recent", RECENT_HALF_LIFE_S, now)
-                                                if self.peers else 0.0)
+        return self.own_recent_requests(now) + self._peers_decayed("recent", RECENT_HALF_LIFE_S, now)
 
     def own_recent_requests(self, now: float | None = None) -> float:
         now = self.clock() if now is None else now
@@ -111,8 +112,7 @@ class RankLoad:
         ``continues_session``), decayed with a 30 s half-life. One-shot completions (however many)
         never count, so a burst of them does not make a rank look busy once it is over."""
         now = self.clock() if now is None else now
-        return self.own_active_sessions(now) + (self._peers_decayed("sessions", SESSION_HALF_LIFE_S, now)
-                                                if self.peers else 0.0)
+        return self.own_active_sessions(now) + self._peers_decayed("sessions", SESSION_HALF_LIFE_S, now)
 
     def own_active_sessions(self, now: float | None = None) -> float:
         now = self.clock() if now is None else now

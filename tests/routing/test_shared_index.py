@@ -7,6 +7,7 @@ import queue
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
 
 import httpx
 import pytest
@@ -17,6 +18,22 @@ from tests.routing.helpers import worker_view
 from tests.support.standin import Behaviour, StandIn
 from tests.support.procs import free_port, start, start_engine, wait_for
 from tests.support.router_checks import counter
+
+
+@contextmanager
+def two_routers(tmp_path, worker_url: str, redis_url: str):
+    """Router processes a and b on one database and one Redis (index and load shared), both on
+    ``worker_url``; each is stopped on the way out, whichever way the test ends."""
+    env = {"DATABASE_URL": f"sqlite:///{tmp_path}/shared.sqlite3", "REDIS_URL": redis_url}
+    with ExitStack() as stack:
+        routers = []
+        for name in ("a", "b"):
+            port = free_port()
+            cmd = [sys.executable, "manage.py", "runrouter", "--worker-urls", worker_url, "--dp-aware",
+                   "--port", str(port)]
+            routers.append(stack.enter_context(start(cmd, f"http://127.0.0.1:{port}", tmp_path / f"{name}.log",
+                                                     env=env)))
+        yield routers
 
 
 def test_apply_takes_other_processes_inserts_for_known_targets_only():
@@ -75,15 +92,7 @@ def test_load_snapshots_publish_own_load_and_apply_others():
 def test_a_prompt_routed_by_one_router_process_is_a_hit_through_another(tmp_path, redis_url):
     prompts = [[p] * 8 + list(range(100 + 10 * p, 300 + 10 * p)) for p in range(4)]  # 208 tokens, 12 blocks each
     with start_engine(tmp_path, "--dp-size", "2", "--num-kv-blocks", "256") as engine:
-        env = {"DATABASE_URL": f"sqlite:///{tmp_path}/shared.sqlite3", "REDIS_URL": redis_url}
-        routers = []
-        try:
-            for name in ("a", "b"):
-                port = free_port()
-                cmd = [sys.executable, "manage.py", "runrouter", "--worker-urls", engine.url, "--dp-aware",
-                       "--port", str(port)]
-                routers.append(start(cmd, f"http://127.0.0.1:{port}", tmp_path / f"{name}.log", env=env))
-            a, b = routers
+        with two_routers(tmp_path, engine.url, redis_url) as (a, b):
             assert "prefix index and load shared" in a.log() and "prefix index and load shared" in b.log()
             ranks = {}
             for i, prompt in enumerate(prompts):
@@ -98,9 +107,6 @@ def test_a_prompt_routed_by_one_router_process_is_a_hit_through_another(tmp_path
                 assert r.headers["x-data-parallel-rank"] == ranks[i]  # b sends it where a did
                 assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 192
             assert counter(b.url, "dpmesh_router_predicted_cached_tokens_total") == len(prompts) * 192
-        finally:
-            for router in routers:
-                router.stop()
 
 
 @pytest.mark.slow
@@ -109,15 +115,7 @@ def test_router_processes_balance_the_fleet_together(tmp_path, redis_url):
     sends its own new requests to the two idle ranks. When a stops, b forgets a's load at once."""
     slow = Behaviour(tokens=40, token_interval_s=0.25)  # ~10 s streams
     with StandIn(dp_size=4, model="standin-peers", default=slow).start() as standin:
-        env = {"DATABASE_URL": f"sqlite:///{tmp_path}/peers.sqlite3", "REDIS_URL": redis_url}
-        routers = []
-        try:
-            for name in ("a", "b"):
-                port = free_port()
-                cmd = [sys.executable, "manage.py", "runrouter", "--worker-urls", standin.url, "--dp-aware",
-                       "--port", str(port)]
-                routers.append(start(cmd, f"http://127.0.0.1:{port}", tmp_path / f"{name}.log", env=env))
-            a, b = routers
+        with two_routers(tmp_path, standin.url, redis_url) as (a, b):
             opened: queue.Queue[int] = queue.Queue()
             with ThreadPoolExecutor(2) as pool:
                 for i in range(2):
@@ -138,9 +136,6 @@ def test_router_processes_balance_the_fleet_together(tmp_path, redis_url):
                 assert wait_for(lambda: (counter(b.url, "dpmesh_router_peers"),
                                          counter(b.url, "dpmesh_router_peer_inflight_requests")) == (0, 0),
                                 timeout=LOAD_TTL_S / 3)
-        finally:
-            for router in routers:
-                router.stop()
 
 
 def _hold_stream(url: str, prompt: str, opened: queue.Queue) -> None:
