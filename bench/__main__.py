@@ -1,4 +1,5 @@
 """``python -m bench ...``"""
+
 import sys
 
 from bench.cli import main

@@ -1,5 +1,6 @@
 """``python -m bench`` / ``manage.py bench``: flags (vLLM's ``bench serve`` names where they exist),
 target discovery, dataset building, the run, and the report."""
+
 from __future__ import annotations
 
 import argparse
@@ -25,24 +26,54 @@ DATASETS = ("prefix_repetition", "random", "multi_turn")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """All flags; shared by ``python -m bench`` and ``manage.py bench``."""
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root, e.g. http://127.0.0.1:8000")
-    parser.add_argument("--model", default=None, help="model name to send (default: the target's /v1/models)")
-    parser.add_argument("--tokenizer", default=None,
-                        help="tokenizer path (default: /server_info model_path when it exists here)")
-    parser.add_argument("--vocab-size", type=int, default=None, help="id range when no tokenizer is known")
+    parser.add_argument(
+        "--base-url",
+        default="http://127.0.0.1:8000",
+        help="server root, e.g. http://127.0.0.1:8000",
+    )
+    parser.add_argument(
+        "--model", default=None, help="model name to send (default: the target's /v1/models)"
+    )
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer path (default: /server_info model_path when it exists here)",
+    )
+    parser.add_argument(
+        "--vocab-size", type=int, default=None, help="id range when no tokenizer is known"
+    )
     parser.add_argument("--dataset-name", default="prefix_repetition", choices=DATASETS)
     parser.add_argument("--num-prompts", type=int, default=100)
     parser.add_argument("--max-concurrency", type=int, default=None)
-    parser.add_argument("--request-rate", type=float, default=float("inf"), help="req/s, Poisson arrivals (default inf)")
+    parser.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="req/s, Poisson arrivals (default inf)",
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--prompt-format", default="ids", choices=["ids", "text"],
-                        help="completions prompts as token-id lists (exact lengths) or decoded text")
-    parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
-                        help="send ignore_eos so outputs have exactly the requested length")
-    parser.add_argument("--extra-body", type=json.loads, default={}, help="JSON merged into every request body")
+    parser.add_argument(
+        "--prompt-format",
+        default="ids",
+        choices=["ids", "text"],
+        help="completions prompts as token-id lists (exact lengths) or decoded text",
+    )
+    parser.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="send ignore_eos so outputs have exactly the requested length",
+    )
+    parser.add_argument(
+        "--extra-body", type=json.loads, default={}, help="JSON merged into every request body"
+    )
     parser.add_argument("--request-timeout", type=float, default=600.0)
-    parser.add_argument("--engine-metrics-url", default=None, help="engine /metrics to diff per rank around the run")
-    parser.add_argument("--json", dest="json_path", default=None, metavar="PATH", help="write all numbers here")
+    parser.add_argument(
+        "--engine-metrics-url", default=None, help="engine /metrics to diff per rank around the run"
+    )
+    parser.add_argument(
+        "--json", dest="json_path", default=None, metavar="PATH", help="write all numbers here"
+    )
     parser.add_argument("--disable-tqdm", action="store_true")
     group = parser.add_argument_group("prefix_repetition")
     group.add_argument("--prefix-repetition-prefix-len", type=int, default=256)
@@ -61,7 +92,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="bench", description="OpenAI-API load generator for dp-mesh engines")
+    parser = argparse.ArgumentParser(
+        prog="bench", description="OpenAI-API load generator for dp-mesh engines"
+    )
     add_arguments(parser)
     return parser
 
@@ -82,7 +115,9 @@ def discover(base_url: str, api_key: str | None = None) -> dict:
                 break
         try:
             r = client.get("/v1/models")
-            info["models"] = [m["id"] for m in r.json().get("data", [])] if r.status_code == 200 else []
+            info["models"] = (
+                [m["id"] for m in r.json().get("data", [])] if r.status_code == 200 else []
+            )
         except (httpx.HTTPError, ValueError):
             info["models"] = []
     return info
@@ -94,6 +129,7 @@ def load_tokenizer(args, info: dict):
     if not path or (not args.tokenizer and not Path(path).is_dir()):
         return None
     from transformers import AutoTokenizer  # heavy: only when there is a tokenizer to load
+
     return AutoTokenizer.from_pretrained(path)
 
 
@@ -108,26 +144,52 @@ def model_name(args, info: dict) -> str:
 def build_workload(args, info: dict, tokenizer):
     """The samples (prefix_repetition, random) or conversations (multi_turn) for ``args``."""
     if args.dataset_name == "multi_turn":
-        return datasets.multi_turn(num_conversations=args.multi_turn_conversations, num_turns=args.multi_turn_turns,
-                                   system_len=args.multi_turn_system_len, user_len=args.multi_turn_user_len,
-                                   output_len=args.multi_turn_output_len, seed=args.seed, tokenizer=tokenizer)
-    vocab = args.vocab_size or info.get("vocab_size") or (len(tokenizer) if tokenizer is not None else None)
+        return datasets.multi_turn(
+            num_conversations=args.multi_turn_conversations,
+            num_turns=args.multi_turn_turns,
+            system_len=args.multi_turn_system_len,
+            user_len=args.multi_turn_user_len,
+            output_len=args.multi_turn_output_len,
+            seed=args.seed,
+            tokenizer=tokenizer,
+        )
+    vocab = (
+        args.vocab_size
+        or info.get("vocab_size")
+        or (len(tokenizer) if tokenizer is not None else None)
+    )
     if vocab is None and tokenizer is None:
-        raise SystemExit("bench: no tokenizer and no vocab size; pass --tokenizer PATH or --vocab-size N")
+        raise SystemExit(
+            "bench: no tokenizer and no vocab size; pass --tokenizer PATH or --vocab-size N"
+        )
     allowed = datasets.allowed_token_ids(vocab, tokenizer)
     as_text = args.prompt_format == "text"
     if args.dataset_name == "random":
-        return datasets.random_prompts(num_prompts=args.num_prompts, input_len=args.random_input_len,
-                                       output_len=args.random_output_len, seed=args.seed, allowed=allowed,
-                                       tokenizer=tokenizer, as_text=as_text)
+        return datasets.random_prompts(
+            num_prompts=args.num_prompts,
+            input_len=args.random_input_len,
+            output_len=args.random_output_len,
+            seed=args.seed,
+            allowed=allowed,
+            tokenizer=tokenizer,
+            as_text=as_text,
+        )
     return datasets.prefix_repetition(
-        num_prompts=args.num_prompts, prefix_len=args.prefix_repetition_prefix_len,
-        suffix_len=args.prefix_repetition_suffix_len, num_prefixes=args.prefix_repetition_num_prefixes,
-        output_len=args.prefix_repetition_output_len, seed=args.seed, allowed=allowed, tokenizer=tokenizer,
-        as_text=as_text)
+        num_prompts=args.num_prompts,
+        prefix_len=args.prefix_repetition_prefix_len,
+        suffix_len=args.prefix_repetition_suffix_len,
+        num_prefixes=args.prefix_repetition_num_prefixes,
+        output_len=args.prefix_repetition_output_len,
+        seed=args.seed,
+        allowed=allowed,
+        tokenizer=tokenizer,
+        as_text=as_text,
+    )
 
 
-async def measure(opts: RunOptions, workload, metrics_url: str | None) -> tuple[RunResult, dict | None]:
+async def measure(
+    opts: RunOptions, workload, metrics_url: str | None
+) -> tuple[RunResult, dict | None]:
     """Run the workload, diffing the engine's per-rank counters around it when asked."""
     before = await engine_metrics.scrape(metrics_url) if metrics_url else None
     if workload and isinstance(workload[0], datasets.Conversation):
@@ -142,14 +204,24 @@ async def measure(opts: RunOptions, workload, metrics_url: str | None) -> tuple[
 
 def run(args) -> dict:
     """Benchmark as ``args`` say; print the table, write ``--json``; return the report."""
-    api_key = os.environ.get("OPENAI_API_KEY") or None  # like vLLM's bench: the key comes from the environment
+    api_key = (
+        os.environ.get("OPENAI_API_KEY") or None
+    )  # like vLLM's bench: the key comes from the environment
     info = discover(args.base_url, api_key)
     tokenizer = load_tokenizer(args, info)
     workload = build_workload(args, info, tokenizer)
-    opts = RunOptions(base_url=args.base_url, model=model_name(args, info), max_concurrency=args.max_concurrency,
-                      request_rate=args.request_rate, seed=args.seed, ignore_eos=args.ignore_eos,
-                      extra_body=args.extra_body, timeout_s=args.request_timeout, progress=not args.disable_tqdm,
-                      api_key=api_key)
+    opts = RunOptions(
+        base_url=args.base_url,
+        model=model_name(args, info),
+        max_concurrency=args.max_concurrency,
+        request_rate=args.request_rate,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+        extra_body=args.extra_body,
+        timeout_s=args.request_timeout,
+        progress=not args.disable_tqdm,
+        api_key=api_key,
+    )
     result, engine = asyncio.run(measure(opts, workload, args.engine_metrics_url))
     report = {
         "config": {**_config(args), "model": opts.model, "dp_size": info.get("dp_size")},

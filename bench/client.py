@@ -1,4 +1,5 @@
 """One streamed OpenAI request, timed: TTFT, inter-token gaps, end-to-end latency, usage, rank."""
+
 from __future__ import annotations
 
 import json
@@ -13,6 +14,7 @@ RANK_HEADER = "x-data-parallel-rank"
 @dataclass
 class RequestResult:
     """What one request measured. Times are seconds; ``start`` is on the run's perf_counter clock."""
+
     ok: bool = False
     start: float = 0.0
     ttft: float = 0.0
@@ -45,7 +47,9 @@ def _common(options: dict) -> dict:
     return {**body, **options.get("extra_body", {})}
 
 
-async def send(client: httpx.AsyncClient, path: str, body: dict, prompt_len: int = 0) -> RequestResult:
+async def send(
+    client: httpx.AsyncClient, path: str, body: dict, prompt_len: int = 0
+) -> RequestResult:
     """POST ``body`` to ``path`` with streaming and measure it. Never raises for a failed request:
     the error lands in the result (a benchmark counts failures, it does not stop at the first)."""
     result = RequestResult(start=time.perf_counter(), prompt_tokens=prompt_len)
@@ -118,7 +122,9 @@ class _Chunks:
         if not choices:
             return
         choice = choices[0]
-        text = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
+        text = (
+            choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
+        )
         if not text:
             return  # role-only or finish-only chunks carry no token
         now = time.perf_counter()

@@ -6,6 +6,7 @@ Builds a throwaway SQLite database with one worker of ``--ranks`` ranks and ``--
 per rank (300 = the default 10-minute window at a 2 s scrape interval), then times the snapshot
 the websocket sends every scrape interval to each open dashboard, and prints its JSON size.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,6 +26,7 @@ def main(argv: list[str] | None = None) -> None:
     os.environ["DATABASE_URL"] = f"sqlite:///{tmp}/bench.sqlite3"
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
     import django
+
     django.setup()
     from datetime import timedelta
 
@@ -38,21 +40,32 @@ def main(argv: list[str] | None = None) -> None:
 
     call_command("migrate", verbosity=0)
     router = Router(RouterConfig())
-    worker = Worker.objects.create(url="http://127.0.0.1:9", dp_size=args.ranks, server_info={"dp_size": args.ranks})
+    worker = Worker.objects.create(
+        url="http://127.0.0.1:9", dp_size=args.ranks, server_info={"dp_size": args.ranks}
+    )
     ids = {r: Rank.objects.create(worker=worker, rank=r).id for r in range(args.ranks)}
     install(router, worker, ids)
     now = timezone.now()
     RankSample.objects.bulk_create(
-        RankSample(rank_id=ids[r], at=now - timedelta(seconds=2 * i), requests=10_000 - i,
-                   prompt_tokens=1_000_000 - 100 * i, cached_tokens=700_000 - 60 * i)
-        for i in range(args.samples) for r in range(args.ranks))
+        RankSample(
+            rank_id=ids[r],
+            at=now - timedelta(seconds=2 * i),
+            requests=10_000 - i,
+            prompt_tokens=1_000_000 - 100 * i,
+            cached_tokens=700_000 - 60 * i,
+        )
+        for i in range(args.samples)
+        for r in range(args.ranks)
+    )
     build_snapshot(router)  # warm
     started = time.perf_counter()
     for _ in range(args.repeats):
         snapshot = build_snapshot(router)
     per = (time.perf_counter() - started) / args.repeats
-    print(f"build_snapshot: {per * 1000:.1f} ms per push, {len(json.dumps(snapshot)) / 1024:.0f} KiB of JSON "
-          f"({args.ranks} ranks x {args.samples} samples)")
+    print(
+        f"build_snapshot: {per * 1000:.1f} ms per push, {len(json.dumps(snapshot)) / 1024:.0f} KiB of JSON "
+        f"({args.ranks} ranks x {args.samples} samples)"
+    )
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@
 Random token ids avoid special tokens: a special token in the middle of a prompt changes what the
 model sees (and a text round trip would drop or re-split it).
 """
+
 from __future__ import annotations
 
 import random
@@ -22,6 +23,7 @@ FIRST_PLAIN_ID = 8
 @dataclass
 class SampleRequest:
     """One independent request: ``prompt`` is a list of token ids or a text."""
+
     prompt: list[int] | str
     prompt_len: int
     output_len: int
@@ -31,6 +33,7 @@ class SampleRequest:
 @dataclass
 class Conversation:
     """A multi-turn chat: the user's turns are fixed, the assistant's come from the server."""
+
     conv_id: int
     system: str
     user_turns: list[str]
@@ -51,7 +54,9 @@ def random_ids(rng: random.Random, allowed: list[int], n: int) -> list[int]:
     return [allowed[rng.randrange(len(allowed))] for _ in range(n)]
 
 
-def text_stable_ids(rng: random.Random, allowed: list[int], n: int, tokenizer, max_retry: int = 10) -> list[int]:
+def text_stable_ids(
+    rng: random.Random, allowed: list[int], n: int, tokenizer, max_retry: int = 10
+) -> list[int]:
     """``n`` random ids whose decoded text encodes back to exactly ``n`` ids (when it converges).
 
     Adjacent random tokens often merge or split on a decode/encode round trip, so (like vLLM)
@@ -66,8 +71,18 @@ def text_stable_ids(rng: random.Random, allowed: list[int], n: int, tokenizer, m
     return ids
 
 
-def prefix_repetition(*, num_prompts: int, prefix_len: int, suffix_len: int, num_prefixes: int, output_len: int,
-                      seed: int, allowed: list[int], tokenizer=None, as_text: bool = False) -> list[SampleRequest]:
+def prefix_repetition(
+    *,
+    num_prompts: int,
+    prefix_len: int,
+    suffix_len: int,
+    num_prefixes: int,
+    output_len: int,
+    seed: int,
+    allowed: list[int],
+    tokenizer=None,
+    as_text: bool = False,
+) -> list[SampleRequest]:
     """vLLM's prefix_repetition: ``num_prompts // num_prefixes`` prompts per prefix, shuffled.
 
     ``as_text`` decodes each prompt with ``tokenizer`` (needed by servers that take no id lists);
@@ -75,29 +90,49 @@ def prefix_repetition(*, num_prompts: int, prefix_len: int, suffix_len: int, num
     """
     per_prefix = num_prompts // num_prefixes
     if per_prefix == 0:
-        raise ValueError(f"--num-prompts ({num_prompts}) must be >= --prefix-repetition-num-prefixes ({num_prefixes})")
+        raise ValueError(
+            f"--num-prompts ({num_prompts}) must be >= --prefix-repetition-num-prefixes ({num_prefixes})"
+        )
     if as_text and tokenizer is None:
         raise ValueError("text prompts need a tokenizer (--tokenizer PATH)")
     rng = random.Random(seed)
-    draw = (lambda n: text_stable_ids(rng, allowed, n, tokenizer)) if as_text else (lambda n: random_ids(rng, allowed, n))
+    draw = (
+        (lambda n: text_stable_ids(rng, allowed, n, tokenizer))
+        if as_text
+        else (lambda n: random_ids(rng, allowed, n))
+    )
     samples = []
     for group in range(num_prefixes):
         prefix = draw(prefix_len)
         for _ in range(per_prefix):
-            samples.append(_sample(prefix + draw(suffix_len), output_len, group, tokenizer, as_text))
+            samples.append(
+                _sample(prefix + draw(suffix_len), output_len, group, tokenizer, as_text)
+            )
     rng.shuffle(samples)
     return samples
 
 
-def random_prompts(*, num_prompts: int, input_len: int, output_len: int, seed: int, allowed: list[int],
-                   tokenizer=None, as_text: bool = False) -> list[SampleRequest]:
+def random_prompts(
+    *,
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    seed: int,
+    allowed: list[int],
+    tokenizer=None,
+    as_text: bool = False,
+) -> list[SampleRequest]:
     """Independent random prompts of ``input_len`` tokens (no shared prefix)."""
     if as_text and tokenizer is None:
         raise ValueError("text prompts need a tokenizer (--tokenizer PATH)")
     rng = random.Random(seed)
     samples = []
     for _ in range(num_prompts):
-        ids = text_stable_ids(rng, allowed, input_len, tokenizer) if as_text else random_ids(rng, allowed, input_len)
+        ids = (
+            text_stable_ids(rng, allowed, input_len, tokenizer)
+            if as_text
+            else random_ids(rng, allowed, input_len)
+        )
         samples.append(_sample(ids, output_len, -1, tokenizer, as_text))
     return samples
 
@@ -106,7 +141,9 @@ def _sample(ids: list[int], output_len: int, group: int, tokenizer, as_text: boo
     if not as_text:
         return SampleRequest(ids, len(ids), output_len, group)
     text = tokenizer.decode(ids)
-    return SampleRequest(text, len(tokenizer.encode(text, add_special_tokens=False)), output_len, group)
+    return SampleRequest(
+        text, len(tokenizer.encode(text, add_special_tokens=False)), output_len, group
+    )
 
 
 # ----- multi-turn chat ---------------------------------------------------------------------------
@@ -149,7 +186,9 @@ world write yard year yellow young
 def random_text(rng: random.Random, n_tokens: int, tokenizer=None) -> str:
     """Random words of about ``n_tokens`` tokens (exactly measured when a tokenizer is given)."""
     if tokenizer is None:
-        return " ".join(rng.choice(WORDS) for _ in range(max(1, n_tokens * 3 // 4)))  # ~1.3 tokens a word
+        return " ".join(
+            rng.choice(WORDS) for _ in range(max(1, n_tokens * 3 // 4))
+        )  # ~1.3 tokens a word
     words = [rng.choice(WORDS) for _ in range(max(1, n_tokens))]  # every word is at least one token
     lo, hi = 1, len(words)
     while lo < hi:  # the most words whose text stays within n_tokens
@@ -161,10 +200,22 @@ def random_text(rng: random.Random, n_tokens: int, tokenizer=None) -> str:
     return " ".join(words[:lo])
 
 
-def multi_turn(*, num_conversations: int, num_turns: int, system_len: int, user_len: int, output_len: int,
-               seed: int, tokenizer=None) -> list[Conversation]:
+def multi_turn(
+    *,
+    num_conversations: int,
+    num_turns: int,
+    system_len: int,
+    user_len: int,
+    output_len: int,
+    seed: int,
+    tokenizer=None,
+) -> list[Conversation]:
     """Conversations sharing one system prompt, each with ``num_turns`` user turns of random words."""
     rng = random.Random(seed)
     system = "You are a helpful assistant. " + random_text(rng, system_len, tokenizer)
-    return [Conversation(c, system, [random_text(rng, user_len, tokenizer) for _ in range(num_turns)], output_len)
-            for c in range(num_conversations)]
+    return [
+        Conversation(
+            c, system, [random_text(rng, user_len, tokenizer) for _ in range(num_turns)], output_len
+        )
+        for c in range(num_conversations)
+    ]

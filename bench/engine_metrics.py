@@ -4,6 +4,7 @@ This is the server's truth: it works when a router in front hides the ``X-Data-P
 header, and it cross-checks the cached tokens the client summed from ``usage``. Any other
 requests the engine served during the run are counted too, so run on an otherwise idle engine.
 """
+
 from __future__ import annotations
 
 from urllib.parse import urlsplit
@@ -51,8 +52,10 @@ async def scrape(url: str, timeout_s: float = 10.0) -> Snapshot:
 
 def delta(before: Snapshot, after: Snapshot) -> Snapshot:
     """after - before per quantity and rank (a rank new in ``after`` counts from zero)."""
-    return {key: {rank: value - before.get(key, {}).get(rank, 0.0) for rank, value in ranks.items()}
-            for key, ranks in after.items()}
+    return {
+        key: {rank: value - before.get(key, {}).get(rank, 0.0) for rank, value in ranks.items()}
+        for key, ranks in after.items()
+    }
 
 
 def summarize(diff: Snapshot) -> dict:
@@ -63,7 +66,9 @@ def summarize(diff: Snapshot) -> dict:
     return {
         "ranks": rows,
         "totals": totals,
-        "hit_rate": totals["cached_tokens"] / totals["prompt_tokens"] if totals["prompt_tokens"] else None,
+        "hit_rate": totals["cached_tokens"] / totals["prompt_tokens"]
+        if totals["prompt_tokens"]
+        else None,
         "requests_max_over_mean": balance({r: diff["requests"].get(r, 0) for r in ranks}),
         "prompt_tokens_max_over_mean": balance({r: diff["prompt_tokens"].get(r, 0) for r in ranks}),
     }

@@ -7,6 +7,7 @@ with any earlier prompt (chained digests make "shares the first k blocks" a set 
 prompts count, not generated tokens: an engine can beat this oracle slightly when a reply
 re-tokenizes to the ids it was generated as, so ratios a little above 1 are possible.
 """
+
 from __future__ import annotations
 
 from engine.digests import chain_digests

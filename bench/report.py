@@ -1,4 +1,5 @@
 """The printed table (vLLM's layout, plus cache and per-rank sections) and the JSON file."""
+
 from __future__ import annotations
 
 import json
@@ -23,17 +24,26 @@ def _row(label: str, value) -> str:
 
 def _latency(name: str, key: str, summary: dict) -> list[str]:
     d = summary[key]
-    return [_title(name, "-"), _row(f"Mean {name.split()[0]} (ms)", d["mean"]),
-            _row(f"Median {name.split()[0]} (ms)", d["median"]), _row(f"P99 {name.split()[0]} (ms)", d["p99"])]
+    return [
+        _title(name, "-"),
+        _row(f"Mean {name.split()[0]} (ms)", d["mean"]),
+        _row(f"Median {name.split()[0]} (ms)", d["median"]),
+        _row(f"P99 {name.split()[0]} (ms)", d["p99"]),
+    ]
 
 
 def _ranks(title: str, block: dict) -> list[str]:
     if not block:
         return []
-    lines = [_title(title, "-"), f"{'rank':>6}{'requests':>12}{'prompt tok':>14}{'cached tok':>14}{'hit rate':>12}"]
+    lines = [
+        _title(title, "-"),
+        f"{'rank':>6}{'requests':>12}{'prompt tok':>14}{'cached tok':>14}{'hit rate':>12}",
+    ]
     for rank, row in block["ranks"].items():
         hit = row["cached_tokens"] / row["prompt_tokens"] if row["prompt_tokens"] else 0.0
-        lines.append(f"{rank:>6}{row['requests']:>12}{row['prompt_tokens']:>14}{row['cached_tokens']:>14}{hit:>12.2%}")
+        lines.append(
+            f"{rank:>6}{row['requests']:>12}{row['prompt_tokens']:>14}{row['cached_tokens']:>14}{hit:>12.2%}"
+        )
     lines.append(_row("Requests max/mean", block.get("requests_max_over_mean")))
     lines.append(_row("Prompt tokens max/mean", block.get("prompt_tokens_max_over_mean")))
     return lines
@@ -56,8 +66,10 @@ def format_report(report: dict) -> str:
         _row("Request throughput (req/s)", s["request_throughput"]),
         _row("Output token throughput (tok/s)", s["output_throughput"]),
         _row("Total token throughput (tok/s)", s["total_token_throughput"]),
-        *_latency("TTFT", "ttft_ms", s), *_latency("TPOT (excl. 1st token)", "tpot_ms", s),
-        *_latency("ITL", "itl_ms", s), *_latency("E2EL", "e2el_ms", s),
+        *_latency("TTFT", "ttft_ms", s),
+        *_latency("TPOT (excl. 1st token)", "tpot_ms", s),
+        *_latency("ITL", "itl_ms", s),
+        *_latency("E2EL", "e2el_ms", s),
         _title("Prefix cache", "-"),
         _row("Cached prompt tokens", s["cached_tokens"]),
         _row("Hit rate (cached / prompt tokens)", f"{hit:.2%}" if hit is not None else None),
@@ -66,7 +78,12 @@ def format_report(report: dict) -> str:
     engine = report.get("engine_metrics")
     if engine:
         lines += _ranks("Per rank (engine /metrics deltas)", engine)
-        lines.append(_row("Engine hit rate", f"{engine['hit_rate']:.2%}" if engine["hit_rate"] is not None else None))
+        lines.append(
+            _row(
+                "Engine hit rate",
+                f"{engine['hit_rate']:.2%}" if engine["hit_rate"] is not None else None,
+            )
+        )
     if s["errors"]:
         lines += [_title("Errors (first distinct)", "-"), *s["errors"]]
     lines.append("=" * WIDTH)

@@ -17,6 +17,7 @@ and requests/s; goals: <= 1 ms added p50 over direct, >= 0.5x sglang-router's re
 Only one server under test runs at a time (the stand-in runs throughout). Needs ``wrk`` on PATH;
 ``--profile`` needs ``py-spy``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,7 +37,9 @@ import httpx
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "standin"
-PROMPT = ("You are a helpful assistant. Summarise the following notes in two sentences. " * 13)[:1000]
+PROMPT = ("You are a helpful assistant. Summarise the following notes in two sentences. " * 13)[
+    :1000
+]
 
 WRK_SCRIPT = """
 wrk.method = "POST"
@@ -78,8 +81,14 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 60.0) -> None:
 @contextmanager
 def server(cmd: list[str], ready_url: str, log: Path, env: dict | None = None):
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, **(env or {})})
+        proc = subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, **(env or {})},
+        )
     try:
         wait_ready(ready_url, proc)
         yield proc
@@ -94,8 +103,17 @@ def server(cmd: list[str], ready_url: str, log: Path, env: dict | None = None):
 
 
 def wrk(url: str, connections: int, duration: int, script: Path) -> dict:
-    cmd = ["wrk", "-t1", f"-c{connections}", f"-d{duration}s", "--timeout", "10s", "-s", str(script),
-           url + "/v1/completions"]
+    cmd = [
+        "wrk",
+        "-t1",
+        f"-c{connections}",
+        f"-d{duration}s",
+        "--timeout",
+        "10s",
+        "-s",
+        str(script),
+        url + "/v1/completions",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     line = next(l for l in out.splitlines() if l.startswith("WRK_JSON "))
     result = json.loads(line.removeprefix("WRK_JSON "))
@@ -106,16 +124,33 @@ def wrk(url: str, connections: int, duration: int, script: Path) -> dict:
 def wrk_many(urls: list[str], connections: int, duration: int, script: Path) -> dict:
     """One wrk per URL at once (the connections split between them), summed: requests/s add up,
     and the latency reported is the worst of the runs' percentiles (they cannot be merged)."""
-    share = [connections // len(urls) + (1 if i < connections % len(urls) else 0) for i in range(len(urls))]
-    cmds = [["wrk", "-t1", f"-c{max(1, c)}", f"-d{duration}s", "--timeout", "10s", "-s", str(script),
-             url + "/v1/completions"] for url, c in zip(urls, share)]
+    share = [
+        connections // len(urls) + (1 if i < connections % len(urls) else 0)
+        for i in range(len(urls))
+    ]
+    cmds = [
+        [
+            "wrk",
+            "-t1",
+            f"-c{max(1, c)}",
+            f"-d{duration}s",
+            "--timeout",
+            "10s",
+            "-s",
+            str(script),
+            url + "/v1/completions",
+        ]
+        for url, c in zip(urls, share)
+    ]
     procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) for cmd in cmds]
     runs = []
     for proc in procs:
         out, _ = proc.communicate()
         line = next(l for l in out.splitlines() if l.startswith("WRK_JSON "))
         runs.append(json.loads(line.removeprefix("WRK_JSON ")))
-    result = {key: max(r[key] for r in runs) for key in ("p50_us", "p90_us", "p99_us", "duration_us")}
+    result = {
+        key: max(r[key] for r in runs) for key in ("p50_us", "p90_us", "p99_us", "duration_us")
+    }
     result.update({key: sum(r[key] for r in runs) for key in ("requests", "errors", "non_2xx")})
     result["mean_us"] = sum(r["mean_us"] * r["requests"] for r in runs) / max(1, result["requests"])
     result["rps"] = sum(r["requests"] / (r["duration_us"] / 1e6) for r in runs)
@@ -123,17 +158,29 @@ def wrk_many(urls: list[str], connections: int, duration: int, script: Path) -> 
 
 
 def check_once(url: str) -> None:
-    r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 8}, timeout=10)
+    r = httpx.post(
+        url + "/v1/completions",
+        json={"model": MODEL, "prompt": PROMPT, "max_tokens": 8},
+        timeout=10,
+    )
     r.raise_for_status()
     assert r.json()["choices"], r.text
 
 
-def measure(name: str, url: str | list[str], args, script: Path, results: list,
-            profile_pid: int | None = None) -> None:
+def measure(
+    name: str,
+    url: str | list[str],
+    args,
+    script: Path,
+    results: list,
+    profile_pid: int | None = None,
+) -> None:
     urls = [url] if isinstance(url, str) else url
     for one in urls:
         check_once(one)
-        wrk(one, 1, 2, script)  # warm-up: connections, the tokenizer/index paths, the JIT-less caches
+        wrk(
+            one, 1, 2, script
+        )  # warm-up: connections, the tokenizer/index paths, the JIT-less caches
     for c in args.connections:
         if len(urls) > 1:
             if c < len(urls):
@@ -141,22 +188,42 @@ def measure(name: str, url: str | list[str], args, script: Path, results: list,
             r = wrk_many(urls, c, args.duration, script)
             r.update(target=name, connections=c)
             results.append(r)
-            print(f"{name:28s} c={c:<3d} p50 {r['p50_us'] / 1000:7.2f} ms  p99 {r['p99_us'] / 1000:7.2f} ms  "
-                  f"{r['rps']:8.0f} req/s  errors {r['errors']} non-2xx {r['non_2xx']}", flush=True)
+            print(
+                f"{name:28s} c={c:<3d} p50 {r['p50_us'] / 1000:7.2f} ms  p99 {r['p99_us'] / 1000:7.2f} ms  "
+                f"{r['rps']:8.0f} req/s  errors {r['errors']} non-2xx {r['non_2xx']}",
+                flush=True,
+            )
             continue
         spy = None
         if profile_pid and c == max(args.connections):
             svg = Path(args.profile) / f"{name.replace(' ', '_')}.svg"
-            spy = subprocess.Popen(["py-spy", "record", "--pid", str(profile_pid), "--duration",
-                                    str(args.duration), "--rate", "200", "--nonblocking", "--output", str(svg)],
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            spy = subprocess.Popen(
+                [
+                    "py-spy",
+                    "record",
+                    "--pid",
+                    str(profile_pid),
+                    "--duration",
+                    str(args.duration),
+                    "--rate",
+                    "200",
+                    "--nonblocking",
+                    "--output",
+                    str(svg),
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
         r = wrk(url, c, args.duration, script)
         if spy:
             spy.wait(60)
         r.update(target=name, connections=c)
         results.append(r)
-        print(f"{name:28s} c={c:<3d} p50 {r['p50_us'] / 1000:7.2f} ms  p99 {r['p99_us'] / 1000:7.2f} ms  "
-              f"{r['rps']:8.0f} req/s  errors {r['errors']} non-2xx {r['non_2xx']}", flush=True)
+        print(
+            f"{name:28s} c={c:<3d} p50 {r['p50_us'] / 1000:7.2f} ms  p99 {r['p99_us'] / 1000:7.2f} ms  "
+            f"{r['rps']:8.0f} req/s  errors {r['errors']} non-2xx {r['non_2xx']}",
+            flush=True,
+        )
 
 
 def run(args) -> list[dict]:
@@ -167,14 +234,35 @@ def run(args) -> list[dict]:
     results: list[dict] = []
     standin_port = free_port()
     standin_url = f"http://127.0.0.1:{standin_port}"
-    standin = [sys.executable, "-m", "tests.support.standin", "--port", str(standin_port), "--dp-size", "4",
-               "--model", MODEL]
-    with server(standin, standin_url + "/health", tmp / "standin.log", env={"PYTHONPATH": str(REPO)}):
+    standin = [
+        sys.executable,
+        "-m",
+        "tests.support.standin",
+        "--port",
+        str(standin_port),
+        "--dp-size",
+        "4",
+        "--model",
+        MODEL,
+    ]
+    with server(
+        standin, standin_url + "/health", tmp / "standin.log", env={"PYTHONPATH": str(REPO)}
+    ):
         measure("direct (stand-in)", standin_url, args, script, results)
         for policy in args.policies:
             port = free_port()
-            cmd = [sys.executable, "manage.py", "runrouter", "--worker-urls", standin_url, "--dp-aware",
-                   "--policy", policy, "--port", str(port)]
+            cmd = [
+                sys.executable,
+                "manage.py",
+                "runrouter",
+                "--worker-urls",
+                standin_url,
+                "--dp-aware",
+                "--policy",
+                policy,
+                "--port",
+                str(port),
+            ]
             env = {"DATABASE_URL": f"sqlite:///{tmp / ('router-' + policy + '.sqlite3')}"}
             url = f"http://127.0.0.1:{port}"
             with server(cmd, url + "/health", tmp / f"router-{policy}.log", env=env) as proc:
@@ -182,19 +270,46 @@ def run(args) -> list[dict]:
                 measure(f"dpmesh router {policy}", url, args, script, results, profile_pid=pid)
         if args.tokenizer_path:
             port = free_port()
-            cmd = [sys.executable, "manage.py", "runrouter", "--worker-urls", standin_url, "--dp-aware",
-                   "--policy", "cache_aware", "--port", str(port), "--tokenizer-path", args.tokenizer_path]
+            cmd = [
+                sys.executable,
+                "manage.py",
+                "runrouter",
+                "--worker-urls",
+                standin_url,
+                "--dp-aware",
+                "--policy",
+                "cache_aware",
+                "--port",
+                str(port),
+                "--tokenizer-path",
+                args.tokenizer_path,
+            ]
             env = {"DATABASE_URL": f"sqlite:///{tmp / 'router-tokenizer.sqlite3'}"}
             url = f"http://127.0.0.1:{port}"
             with server(cmd, url + "/health", tmp / "router-tokenizer.log", env=env):
                 measure("dpmesh router cache_aware+tok", url, args, script, results)
         if args.processes > 1:
             measure_processes(args, standin_url, tmp, script, results)
-        exe = shutil.which("sglang-router", path=str(Path(sys.executable).parent)) or shutil.which("sglang-router")
+        exe = shutil.which("sglang-router", path=str(Path(sys.executable).parent)) or shutil.which(
+            "sglang-router"
+        )
         for policy in args.sglang_policies if exe else []:
             port = free_port()
-            cmd = [exe, "launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls", standin_url,
-                   "--dp-aware", "--policy", policy, "--log-level", "warn"]
+            cmd = [
+                exe,
+                "launch",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--worker-urls",
+                standin_url,
+                "--dp-aware",
+                "--policy",
+                policy,
+                "--log-level",
+                "warn",
+            ]
             url = f"http://127.0.0.1:{port}"
             with server(cmd, url + "/health", tmp / f"sglang-{policy}.log"):
                 measure(f"sglang-router {policy}", url, args, script, results)
@@ -204,35 +319,61 @@ def run(args) -> list[dict]:
 def measure_processes(args, standin_url: str, tmp: Path, script: Path, results: list) -> None:
     """``args.processes`` cache_aware routers on one database and one Redis (index and load shared)."""
     import redis
+
     redis.Redis.from_url(args.redis_url).flushdb()
-    env = {"DATABASE_URL": args.database_url or f"sqlite:///{tmp / 'router-processes.sqlite3'}",
-           "REDIS_URL": args.redis_url}
-    subprocess.run([sys.executable, "manage.py", "migrate", "--noinput"], cwd=REPO, env={**os.environ, **env},
-                   check=True, capture_output=True)
+    env = {
+        "DATABASE_URL": args.database_url or f"sqlite:///{tmp / 'router-processes.sqlite3'}",
+        "REDIS_URL": args.redis_url,
+    }
+    subprocess.run(
+        [sys.executable, "manage.py", "migrate", "--noinput"],
+        cwd=REPO,
+        env={**os.environ, **env},
+        check=True,
+        capture_output=True,
+    )
     with ExitStack() as stack:
         urls = []
         for i in range(args.processes):
             port = free_port()
-            cmd = [sys.executable, "manage.py", "runrouter", "--worker-urls", standin_url, "--dp-aware",
-                   "--policy", "cache_aware", "--port", str(port)]
+            cmd = [
+                sys.executable,
+                "manage.py",
+                "runrouter",
+                "--worker-urls",
+                standin_url,
+                "--dp-aware",
+                "--policy",
+                "cache_aware",
+                "--port",
+                str(port),
+            ]
             url = f"http://127.0.0.1:{port}"
-            stack.enter_context(server(cmd, url + "/health", tmp / f"router-process-{i}.log", env=env))
+            stack.enter_context(
+                server(cmd, url + "/health", tmp / f"router-process-{i}.log", env=env)
+            )
             urls.append(url)
-        measure(f"dpmesh router cache_aware x{args.processes} processes", urls, args, script, results)
+        measure(
+            f"dpmesh router cache_aware x{args.processes} processes", urls, args, script, results
+        )
 
 
 def summary(results: list[dict]) -> str:
     """A markdown table with the added p50 over direct and the throughput ratio to sglang-router."""
     direct = {r["connections"]: r for r in results if r["target"].startswith("direct")}
     sglang = {r["connections"]: r for r in results if r["target"] == "sglang-router round_robin"}
-    lines = ["| target | conns | p50 ms | p99 ms | req/s | added p50 ms | req/s vs sglang-router rr |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| target | conns | p50 ms | p99 ms | req/s | added p50 ms | req/s vs sglang-router rr |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in results:
         c = r["connections"]
         added = (r["p50_us"] - direct[c]["p50_us"]) / 1000 if c in direct else float("nan")
         ratio = r["rps"] / sglang[c]["rps"] if c in sglang else float("nan")
-        lines.append(f"| {r['target']} | {c} | {r['p50_us'] / 1000:.2f} | {r['p99_us'] / 1000:.2f} | {r['rps']:.0f} "
-                     f"| {added:+.2f} | {ratio:.2f}x |")
+        lines.append(
+            f"| {r['target']} | {c} | {r['p50_us'] / 1000:.2f} | {r['p99_us'] / 1000:.2f} | {r['rps']:.0f} "
+            f"| {added:+.2f} | {ratio:.2f}x |"
+        )
     return "\n".join(lines)
 
 
@@ -242,14 +383,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--connections", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--policies", nargs="+", default=["cache_aware", "round_robin"])
     parser.add_argument("--sglang-policies", nargs="*", default=["round_robin", "cache_aware"])
-    parser.add_argument("--tokenizer-path", help="a tokenizer directory (e.g. the tiny model's) for an extra "
-                                                 "cache_aware run with token digests")
-    parser.add_argument("--processes", type=int, default=1,
-                        help="also run this many cache_aware router processes sharing index and load (Redis)")
-    parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/14", help="for --processes (flushed)")
+    parser.add_argument(
+        "--tokenizer-path",
+        help="a tokenizer directory (e.g. the tiny model's) for an extra "
+        "cache_aware run with token digests",
+    )
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="also run this many cache_aware router processes sharing index and load (Redis)",
+    )
+    parser.add_argument(
+        "--redis-url", default="redis://127.0.0.1:6379/14", help="for --processes (flushed)"
+    )
     parser.add_argument("--database-url", help="for --processes (default: a shared SQLite file)")
     parser.add_argument("--json", help="write the raw results here")
-    parser.add_argument("--profile", help="directory for py-spy flame graphs of our router (largest load)")
+    parser.add_argument(
+        "--profile", help="directory for py-spy flame graphs of our router (largest load)"
+    )
     args = parser.parse_args(argv)
     if not shutil.which("wrk"):
         print("wrk is not installed (apt-get install wrk)", file=sys.stderr)

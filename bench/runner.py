@@ -3,6 +3,7 @@
 ``--max-concurrency`` caps requests in flight. For multi-turn chat the arrivals are conversation
 starts; each conversation then sends its turns one after another, every turn taking a slot.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -25,6 +26,7 @@ CHAT = "/v1/chat/completions"
 @dataclass
 class RunOptions:
     """How to send: target, model name, pacing and the per-request body options."""
+
     base_url: str
     model: str
     max_concurrency: int | None = None
@@ -81,11 +83,20 @@ async def _run(opts: RunOptions, total: int, workload) -> RunResult:
     limit = opts.max_concurrency or total or 1
     limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
     timeout = httpx.Timeout(opts.timeout_s, connect=30.0)
-    slots = asyncio.Semaphore(opts.max_concurrency) if opts.max_concurrency else contextlib.nullcontext()
+    slots = (
+        asyncio.Semaphore(opts.max_concurrency)
+        if opts.max_concurrency
+        else contextlib.nullcontext()
+    )
     bar = tqdm(total=total, file=sys.stderr, disable=not opts.progress, desc="requests", unit="req")
     headers = {"Authorization": f"Bearer {opts.api_key}"} if opts.api_key else None
-    async with httpx.AsyncClient(base_url=opts.base_url.rstrip("/"), timeout=timeout, limits=limits,
-                                 transport=opts.transport, headers=headers) as client:
+    async with httpx.AsyncClient(
+        base_url=opts.base_url.rstrip("/"),
+        timeout=timeout,
+        limits=limits,
+        transport=opts.transport,
+        headers=headers,
+    ) as client:
         ctx = _Context(opts, client, slots, bar, random.Random(opts.seed))
         started = time.perf_counter()
         await workload(ctx)
@@ -108,7 +119,11 @@ async def _samples(ctx: _Context, samples: list[SampleRequest]) -> None:
     async for i in _arrivals(ctx, len(samples)):
         s = samples[i]
         body = completion_body(ctx.opts.model, s.prompt, s.output_len, ctx.opts.body_options)
-        tasks.append(asyncio.create_task(ctx.send(COMPLETIONS, body, s.prompt_len, {"index": i, "group": s.group})))
+        tasks.append(
+            asyncio.create_task(
+                ctx.send(COMPLETIONS, body, s.prompt_len, {"index": i, "group": s.group})
+            )
+        )
     await asyncio.gather(*tasks)
 
 
@@ -135,6 +150,11 @@ async def _converse(ctx: _Context, conv: Conversation) -> None:
 def _skip_rest(ctx: _Context, conv: Conversation, first: int) -> None:
     """A failed turn ends its conversation: later turns would need its reply. Count them as failed."""
     for turn in range(first, len(conv.user_turns)):
-        ctx.results.append(RequestResult(start=time.perf_counter(), error="skipped: an earlier turn failed",
-                                         meta={"conversation": conv.conv_id, "turn": turn}))
+        ctx.results.append(
+            RequestResult(
+                start=time.perf_counter(),
+                error="skipped: an earlier turn failed",
+                meta={"conversation": conv.conv_id, "turn": turn},
+            )
+        )
         ctx.bar.update(1)

@@ -5,6 +5,7 @@ Definitions (as vLLM's): TTFT is the time to the first content chunk; TPOT of a 
 the gaps between successive content chunks, pooled over all requests. Throughputs divide by the
 wall time of the whole run. The hit rate is cached prompt tokens over prompt tokens.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -19,7 +20,11 @@ def distribution_ms(values_s: Iterable[float]) -> dict:
     arr = np.asarray(list(values_s), dtype=float) * 1000.0
     if arr.size == 0:
         return {"mean": 0.0, "median": 0.0, "p99": 0.0}
-    return {"mean": float(arr.mean()), "median": float(np.median(arr)), "p99": float(np.percentile(arr, 99))}
+    return {
+        "mean": float(arr.mean()),
+        "median": float(np.median(arr)),
+        "p99": float(np.percentile(arr, 99)),
+    }
 
 
 def tpot_s(result: RequestResult) -> float | None:

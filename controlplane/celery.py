@@ -22,8 +22,17 @@ def schedule_periodic_jobs(sender, **kwargs):
 
     cp = settings.CONTROL_PLANE
     # a scrape that waited longer than one interval is stale: drop it rather than pile up
-    sender.add_periodic_task(cp["SCRAPE_INTERVAL_S"], sender.signature("routing.scrape_fleet"), name="scrape engines",
-                             expires=cp["SCRAPE_INTERVAL_S"])
-    sender.add_periodic_task(cp["DISCOVERY_REFRESH_INTERVAL_S"], sender.signature("routing.refresh_discovery"),
-                             name="refresh discovery")
-    sender.add_periodic_task(cp["PRUNE_INTERVAL_S"], sender.signature("routing.prune"), name="prune time series")
+    sender.add_periodic_task(
+        cp["SCRAPE_INTERVAL_S"],
+        sender.signature("routing.scrape_fleet"),
+        name="scrape engines",
+        expires=cp["SCRAPE_INTERVAL_S"],
+    )
+    sender.add_periodic_task(
+        cp["DISCOVERY_REFRESH_INTERVAL_S"],
+        sender.signature("routing.refresh_discovery"),
+        name="refresh discovery",
+    )
+    sender.add_periodic_task(
+        cp["PRUNE_INTERVAL_S"], sender.signature("routing.prune"), name="prune time series"
+    )

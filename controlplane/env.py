@@ -49,7 +49,9 @@ def parse_database_url(url: str, *, base_dir: Path) -> dict[str, Any]:
         return _postgres_database(parts)
     if scheme == "sqlite":
         return sqlite_database(_sqlite_path(url, base_dir=base_dir))
-    raise ValueError(f"unsupported DATABASE_URL scheme {parts.scheme!r} (use postgres:// or sqlite://)")
+    raise ValueError(
+        f"unsupported DATABASE_URL scheme {parts.scheme!r} (use postgres:// or sqlite://)"
+    )
 
 
 def _postgres_database(parts) -> dict[str, Any]:

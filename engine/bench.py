@@ -11,6 +11,7 @@ Three measurements, each printed as a table (docs/benchmarks.md records a run):
 Both sides run with the same ``torch.set_num_threads``. Timings are wall-clock on whatever else
 the machine is doing: run it on a quiet machine.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,8 +37,15 @@ def random_prompt(rng: random.Random, n: int) -> list[int]:
 
 
 def make_engine(args, **overrides) -> LLMEngine:
-    kw = {"model": args.model, "block_size": 16, "kv_cache_memory": 256 * MIB, "max_num_seqs": 64,
-          "max_num_batched_tokens": 2048, "num_threads": args.threads, **overrides}
+    kw = {
+        "model": args.model,
+        "block_size": 16,
+        "kv_cache_memory": 256 * MIB,
+        "max_num_seqs": 64,
+        "max_num_batched_tokens": 2048,
+        "num_threads": args.threads,
+        **overrides,
+    }
     return LLMEngine(EngineConfig(**kw))
 
 
@@ -46,7 +54,11 @@ def print_table(title: str, headers: list[str], rows: list[list]) -> None:
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     print(f"\n{title}")
     for i, row in enumerate(cells):  # first column left-aligned, numbers right-aligned
-        print("  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(row, widths))).rstrip())
+        print(
+            "  ".join(
+                c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(row, widths))
+            ).rstrip()
+        )
         if i == 0:
             print("  ".join("-" * w for w in widths))
 
@@ -69,7 +81,9 @@ def time_to_first_token(engine: LLMEngine, request_id: str, prompt: list[int]) -
 def forward_ms(model, num_tokens: int, runs: int) -> float:
     """Median ms of one plain transformers forward over ``num_tokens`` fresh tokens (no cache):
     what a prefill of just those tokens costs without any context to attend to."""
-    ids = torch.randint(VOCAB_LOW, VOCAB_HIGH, (1, num_tokens), generator=torch.Generator().manual_seed(num_tokens))
+    ids = torch.randint(
+        VOCAB_LOW, VOCAB_HIGH, (1, num_tokens), generator=torch.Generator().manual_seed(num_tokens)
+    )
     model(ids, use_cache=False, logits_to_keep=1)
     times = []
     for _ in range(runs):
@@ -95,20 +109,36 @@ def bench_ttft(args) -> dict:
         seconds, hit = time_to_first_token(engine, f"warm-{run}", prefix + random_prompt(rng, 128))
         warm.append(seconds)
         cached.add(hit)
-    result = {"cold": statistics.median(cold), "warm": statistics.median(warm), "cached": sorted(cached)}
+    result = {
+        "cold": statistics.median(cold),
+        "warm": statistics.median(warm),
+        "cached": sorted(cached),
+    }
     result["ratio"] = result["warm"] / result["cold"]
     model = AutoModelForCausalLM.from_pretrained(engine.model_path, dtype=torch.float32).eval()
     reference = {n: forward_ms(model, n, args.runs) for n in (1, 128, 640)}
-    ms = lambda xs: [f"{statistics.median(xs) * 1e3:.1f}", f"{min(xs) * 1e3:.1f}", f"{max(xs) * 1e3:.1f}"]  # noqa: E731
-    print_table(f"Time to first token, 640-token prompt (median of {args.runs} runs)",
-                ["case", "cached tokens", "TTFT ms", "min ms", "max ms"],
-                [["engine, cold", 0, *ms(cold)],
-                 ["engine, 512 cached", "/".join(map(str, result["cached"])), *ms(warm)]]
-                + [[f"reference: plain HF forward, {n} new tok, no context", "-", f"{t:.1f}", "", ""]
-                   for n, t in reference.items()])
+    ms = lambda xs: [
+        f"{statistics.median(xs) * 1e3:.1f}",
+        f"{min(xs) * 1e3:.1f}",
+        f"{max(xs) * 1e3:.1f}",
+    ]  # noqa: E731
+    print_table(
+        f"Time to first token, 640-token prompt (median of {args.runs} runs)",
+        ["case", "cached tokens", "TTFT ms", "min ms", "max ms"],
+        [
+            ["engine, cold", 0, *ms(cold)],
+            ["engine, 512 cached", "/".join(map(str, result["cached"])), *ms(warm)],
+        ]
+        + [
+            [f"reference: plain HF forward, {n} new tok, no context", "-", f"{t:.1f}", "", ""]
+            for n, t in reference.items()
+        ],
+    )
     verdict = "met" if result["ratio"] <= 0.3 else "MISSED"
-    print(f"cached / cold = {result['ratio']:.3f}  (goal <= 0.30: {verdict}); "
-          f"reference forward 128 / 640 tokens = {reference[128] / reference[640]:.3f}")
+    print(
+        f"cached / cold = {result['ratio']:.3f}  (goal <= 0.30: {verdict}); "
+        f"reference forward 128 / 640 tokens = {reference[128] / reference[640]:.3f}"
+    )
     result["reference_ms"] = reference
     return result
 
@@ -116,7 +146,9 @@ def bench_ttft(args) -> dict:
 # ----- 2. throughput ---------------------------------------------------------------------------------
 
 
-def engine_generate(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
+def engine_generate(
+    engine: LLMEngine, prompts: list[list[int]], max_tokens: int
+) -> tuple[float, list[list[int]]]:
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     start = time.perf_counter()
     outs = engine.generate(prompts, params)
@@ -130,9 +162,14 @@ def hf_generate(model, prompts: list[list[int]], max_tokens: int) -> tuple[float
     start = time.perf_counter()
     for prompt in prompts:
         ids = torch.tensor([prompt])
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                             max_new_tokens=max_tokens, min_new_tokens=max_tokens)
-        outs.append(out[0, len(prompt):].tolist())
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=max_tokens,
+            min_new_tokens=max_tokens,
+        )
+        outs.append(out[0, len(prompt) :].tolist())
     return time.perf_counter() - start, outs
 
 
@@ -149,16 +186,29 @@ def bench_throughput(args) -> list[dict]:
     for conc in (1, 4, 16):
         prompts = [random_prompt(rng, 128) for _ in range(conc)]
         e_time, e_out = engine_generate(engine, prompts, args.output_tokens)
-        hf_prompts = prompts[:args.hf_prompts]
+        hf_prompts = prompts[: args.hf_prompts]
         h_time, h_out = hf_generate(model, hf_prompts, args.output_tokens)
         e_rate = conc * args.output_tokens / e_time
         h_rate = len(hf_prompts) * args.output_tokens / h_time
         same = sum(a == b for a, b in zip(e_out, h_out))
-        results.append({"concurrency": conc, "engine": e_rate, "hf": h_rate, "speedup": e_rate / h_rate})
-        rows.append([conc, f"{e_rate:.0f}", f"{h_rate:.0f}", len(hf_prompts), f"{e_rate / h_rate:.2f}x",
-                     f"{same}/{len(hf_prompts)}"])
-    print_table(f"Output tokens/s, 128-token prompts, {args.output_tokens} output tokens, greedy",
-                ["concurrent", "engine tok/s", "HF tok/s", "HF prompts", "speedup", "same ids"], rows)
+        results.append(
+            {"concurrency": conc, "engine": e_rate, "hf": h_rate, "speedup": e_rate / h_rate}
+        )
+        rows.append(
+            [
+                conc,
+                f"{e_rate:.0f}",
+                f"{h_rate:.0f}",
+                len(hf_prompts),
+                f"{e_rate / h_rate:.2f}x",
+                f"{same}/{len(hf_prompts)}",
+            ]
+        )
+    print_table(
+        f"Output tokens/s, 128-token prompts, {args.output_tokens} output tokens, greedy",
+        ["concurrent", "engine tok/s", "HF tok/s", "HF prompts", "speedup", "same ids"],
+        rows,
+    )
     verdict = "met" if results[-1]["speedup"] >= 4 else "MISSED"
     print(f"speedup at 16 concurrent = {results[-1]['speedup']:.2f}x  (goal >= 4x: {verdict})")
     return results
@@ -183,17 +233,26 @@ def bench_memory(args) -> dict:
     pool = engine.runner.kv_bytes
     engine.runner.kv = torch.empty(0)
     dropped = rss()
-    result = {"configured": configured, "allocated": pool, "resident": built - dropped,
-              "engine_growth": built - before, "weights": weights}
-    print_table(f"KV pool memory (kv_cache_memory = {args.kv_memory_mib} MiB, "
-                f"{engine.runner.num_kv_blocks} blocks x {engine.config.block_size} tokens)",
-                ["quantity", "MiB"],
-                [["configured kv_cache_memory", f"{configured / MIB:.1f}"],
-                 ["allocated pool tensor", f"{pool / MIB:.1f}"],
-                 ["RSS released when the pool is freed", f"{result['resident'] / MIB:.1f}"],
-                 ["RSS before engine", f"{before / MIB:.1f}"],
-                 ["RSS after engine (weights + pool)", f"{built / MIB:.1f}"],
-                 ["  of which model weights", f"{weights / MIB:.1f}"]])
+    result = {
+        "configured": configured,
+        "allocated": pool,
+        "resident": built - dropped,
+        "engine_growth": built - before,
+        "weights": weights,
+    }
+    print_table(
+        f"KV pool memory (kv_cache_memory = {args.kv_memory_mib} MiB, "
+        f"{engine.runner.num_kv_blocks} blocks x {engine.config.block_size} tokens)",
+        ["quantity", "MiB"],
+        [
+            ["configured kv_cache_memory", f"{configured / MIB:.1f}"],
+            ["allocated pool tensor", f"{pool / MIB:.1f}"],
+            ["RSS released when the pool is freed", f"{result['resident'] / MIB:.1f}"],
+            ["RSS before engine", f"{before / MIB:.1f}"],
+            ["RSS after engine (weights + pool)", f"{built / MIB:.1f}"],
+            ["  of which model weights", f"{weights / MIB:.1f}"],
+        ],
+    )
     return result
 
 
@@ -219,20 +278,37 @@ class OtherLoad:
         return self
 
     def __exit__(self, *exc):
-        wall, busy, own = (now - then for now, then in zip((time.perf_counter(), self._busy(), self._own()), self.start))
+        wall, busy, own = (
+            now - then
+            for now, then in zip((time.perf_counter(), self._busy(), self._own()), self.start)
+        )
         share = max(0.0, busy - own) / wall
-        print(f"(other processes meanwhile: {share * 100:.0f}% of one core; "
-              f"{'results disturbed' if share > 0.1 else 'quiet'})")
+        print(
+            f"(other processes meanwhile: {share * 100:.0f}% of one core; "
+            f"{'results disturbed' if share > 0.1 else 'quiet'})"
+        )
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads, both sides (default 2)")
-    parser.add_argument("--quick", action="store_true", help="fewer runs and shorter outputs (a smoke run)")
+    parser = argparse.ArgumentParser(
+        prog="python -m engine.bench", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument(
+        "--threads", type=int, default=2, help="torch intra-op threads, both sides (default 2)"
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="fewer runs and shorter outputs (a smoke run)"
+    )
     parser.add_argument("--model", default="tiny", help="model directory or 'tiny' (default)")
-    parser.add_argument("--kv-memory-mib", type=int, default=256, help="pool size for the memory check")
-    parser.add_argument("--only", choices=["ttft", "throughput", "memory"], action="append",
-                        help="run only these parts (repeatable)")
+    parser.add_argument(
+        "--kv-memory-mib", type=int, default=256, help="pool size for the memory check"
+    )
+    parser.add_argument(
+        "--only",
+        choices=["ttft", "throughput", "memory"],
+        action="append",
+        help="run only these parts (repeatable)",
+    )
     args = parser.parse_args(argv)
     args.runs = 3 if args.quick else 7
     args.output_tokens = 32 if args.quick else 128
@@ -244,9 +320,15 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     parts = args.only or ["memory", "ttft", "throughput"]  # memory first: before other pools exist
-    print(f"engine.bench: model={args.model} threads={args.threads} quick={args.quick} "
-          f"torch={torch.__version__} python={platform.python_version()}")
-    for name, part in (("memory", bench_memory), ("ttft", bench_ttft), ("throughput", bench_throughput)):
+    print(
+        f"engine.bench: model={args.model} threads={args.threads} quick={args.quick} "
+        f"torch={torch.__version__} python={platform.python_version()}"
+    )
+    for name, part in (
+        ("memory", bench_memory),
+        ("ttft", bench_ttft),
+        ("throughput", bench_throughput),
+    ):
         if name in parts:
             with OtherLoad():
                 part(args)

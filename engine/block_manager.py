@@ -6,6 +6,7 @@ a later request can revive them; a block loses its digest only when the pool reu
 method that changes state has a side-effect-free ``can_*`` twin, so the scheduler checks before
 it commits.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict, deque
@@ -25,6 +26,7 @@ class Block:
 @dataclass(frozen=True)
 class BlockStored:
     """KV event: these full blocks now hold KV and can be hit (vLLM's BlockStored)."""
+
     digests: list[int]
     parent_digest: int | None
     token_ids: list[int]
@@ -34,6 +36,7 @@ class BlockStored:
 @dataclass(frozen=True)
 class BlockRemoved:
     """KV event: these digests can no longer be hit."""
+
     digests: list[int]
 
 
@@ -166,9 +169,14 @@ class BlockManager:
 
     def _emit_stored(self, seq: Sequence, run: list[int]) -> None:
         first, last = run[0], run[-1]
-        self.events.append(BlockStored([seq.digest(i) for i in run], seq.digest(first - 1) if first else None,
-                                       seq.token_ids[first * self.block_size:(last + 1) * self.block_size],
-                                       self.block_size))
+        self.events.append(
+            BlockStored(
+                [seq.digest(i) for i in run],
+                seq.digest(first - 1) if first else None,
+                seq.token_ids[first * self.block_size : (last + 1) * self.block_size],
+                self.block_size,
+            )
+        )
 
     # ----- release -------------------------------------------------------------------------
     def free_sequence(self, seq: Sequence) -> None:
@@ -190,21 +198,31 @@ class BlockManager:
 
     def usage(self) -> PoolUsage:
         cached_free = sum(1 for i in self.free if self.blocks[i].digest is not None)
-        return PoolUsage(total=self.num_blocks, used=self.num_blocks - len(self.free),
-                         cached_free=cached_free, empty_free=len(self.free) - cached_free)
+        return PoolUsage(
+            total=self.num_blocks,
+            used=self.num_blocks - len(self.free),
+            cached_free=cached_free,
+            empty_free=len(self.free) - cached_free,
+        )
 
     def check_integrity(self, sequences: list[Sequence] | None = None) -> None:
         """Raise AssertionError, with the numbers, if the pool's bookkeeping is inconsistent.
         With ``sequences`` (every live one), reference counts are checked against block tables."""
         used = [b for b in self.blocks if b.ref_count > 0]
         if len(used) + len(self.free) != self.num_blocks:
-            raise AssertionError(f"used {len(used)} + free {len(self.free)} != total {self.num_blocks}")
+            raise AssertionError(
+                f"used {len(used)} + free {len(self.free)} != total {self.num_blocks}"
+            )
         for block_id in self.free:
             if self.blocks[block_id].ref_count != 0:
-                raise AssertionError(f"free block {block_id} has ref_count {self.blocks[block_id].ref_count}")
+                raise AssertionError(
+                    f"free block {block_id} has ref_count {self.blocks[block_id].ref_count}"
+                )
         for digest, block_id in self.by_digest.items():
             if self.blocks[block_id].digest != digest:
-                raise AssertionError(f"digest map points {digest:#x} at block {block_id} holding another")
+                raise AssertionError(
+                    f"digest map points {digest:#x} at block {block_id} holding another"
+                )
         if sequences is not None:
             refs: dict[int, int] = {}
             for seq in sequences:
@@ -212,5 +230,7 @@ class BlockManager:
                     refs[block_id] = refs.get(block_id, 0) + 1
             for block in self.blocks:
                 if refs.get(block.block_id, 0) != block.ref_count:
-                    raise AssertionError(f"block {block.block_id}: ref_count {block.ref_count}, "
-                                         f"held by {refs.get(block.block_id, 0)} sequences")
+                    raise AssertionError(
+                        f"block {block.block_id}: ref_count {block.ref_count}, "
+                        f"held by {refs.get(block.block_id, 0)} sequences"
+                    )

@@ -1,4 +1,5 @@
 """Engine configuration: one dataclass, validated once."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,4 +1,5 @@
 """Incremental detokenization and stop-string matching for one request."""
+
 from __future__ import annotations
 
 
@@ -25,29 +26,29 @@ class IncrementalDetokenizer:
     def add(self, output_ids: list[int]) -> bool:
         """Decode what ``output_ids`` (all output so far) adds. Returns True if a stop string
         matched; ``text`` then ends just before it."""
-        prefix = self._decode(output_ids[self._prefix_offset:self._read_offset])
-        full = self._decode(output_ids[self._prefix_offset:])
+        prefix = self._decode(output_ids[self._prefix_offset : self._read_offset])
+        full = self._decode(output_ids[self._prefix_offset :])
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return False
         search_from = max(0, len(self.text) - self.holdback)
-        self.text += full[len(prefix):]
+        self.text += full[len(prefix) :]
         self._prefix_offset, self._read_offset = self._read_offset, len(output_ids)
         hits = [at for at in (self.text.find(s, search_from) for s in self.stop) if at != -1]
         if hits:
-            self.text = self.text[:min(hits)]
+            self.text = self.text[: min(hits)]
             return True
         return False
 
     def flush(self, output_ids: list[int]) -> None:
         """At the end, keep whatever bytes are still pending, even an incomplete character."""
-        prefix = self._decode(output_ids[self._prefix_offset:self._read_offset])
-        full = self._decode(output_ids[self._prefix_offset:])
-        self.text += full[len(prefix):]
+        prefix = self._decode(output_ids[self._prefix_offset : self._read_offset])
+        full = self._decode(output_ids[self._prefix_offset :])
+        self.text += full[len(prefix) :]
         self._prefix_offset = self._read_offset = len(output_ids)
 
     def delta(self, finished: bool) -> str:
         """New text to release; while unfinished, keep back what could begin a stop string."""
         end = len(self.text) if finished else max(self.emitted, len(self.text) - self.holdback)
-        out = self.text[self.emitted:end]
+        out = self.text[self.emitted : end]
         self.emitted = end
         return out

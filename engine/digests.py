@@ -4,6 +4,7 @@
 the first block hashes its token bytes alone. Only full blocks have digests. This module imports
 neither torch nor Django so the router can use it cheaply.
 """
+
 from __future__ import annotations
 
 import struct
@@ -27,10 +28,12 @@ def block_digest(parent: int | None, token_ids: Sequence[int]) -> int:
     return xxhash.xxh64_intdigest(data, seed=0)
 
 
-def chain_digests(token_ids: Sequence[int], block_size: int, parent: int | None = None) -> list[int]:
+def chain_digests(
+    token_ids: Sequence[int], block_size: int, parent: int | None = None
+) -> list[int]:
     """Digests of every full block of ``token_ids`` (a trailing partial block has none)."""
     digests = []
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = block_digest(parent, token_ids[start:start + block_size])
+        parent = block_digest(parent, token_ids[start : start + block_size])
         digests.append(parent)
     return digests

@@ -1,4 +1,5 @@
 """The in-process engine: add requests, step, stream outputs, abort. One engine is one DP rank."""
+
 from __future__ import annotations
 
 import logging
@@ -22,6 +23,7 @@ logger = logging.getLogger("engine")
 @dataclass
 class RequestOutput:
     """What one step produced for one request (deltas, not totals)."""
+
     request_id: str
     new_token_ids: list[int]
     new_text: str
@@ -44,13 +46,17 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, log_prefix: str = ""):
         self.config = config
-        self.log = logging.LoggerAdapter(logger, {}) if not log_prefix else _Prefixed(logger, log_prefix)
+        self.log = (
+            logging.LoggerAdapter(logger, {}) if not log_prefix else _Prefixed(logger, log_prefix)
+        )
         self.model_path = resolve_model_path(config.model)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.runner = ModelRunner(config, self.model_path)
         model_len = getattr(self.runner.model.config, "max_position_embeddings", None) or 2048
         self.max_model_len = min(config.max_model_len or model_len, model_len)
-        self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(
+            self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching
+        )
         self.scheduler = Scheduler(config, self.block_manager)
         self.cache_stats = CacheStats(self.log, config.stats_interval)
         self.eos_token_ids = self._eos_ids()
@@ -68,16 +74,24 @@ class LLMEngine:
         return ids
 
     # ----- requests ------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Sequence:
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams
+    ) -> Sequence:
         """Queue a request. Raises ValueError (nothing queued) for an empty or too long prompt,
         a duplicate id, or a prompt that could never fit the KV pool."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running")
-        ids = self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
+        ids = (
+            self.tokenizer.encode(prompt, add_special_tokens=False)
+            if isinstance(prompt, str)
+            else list(prompt)
+        )
         self._validate(ids, params)
         seq = Sequence(ids, params, request_id=request_id, block_size=self.config.block_size)
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
-        self.requests[request_id] = _Request(seq, IncrementalDetokenizer(self.tokenizer, params.stop), stop_ids)
+        self.requests[request_id] = _Request(
+            seq, IncrementalDetokenizer(self.tokenizer, params.stop), stop_ids
+        )
         self.scheduler.add(seq)
         return seq
 
@@ -88,11 +102,15 @@ class LLMEngine:
         if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         if len(ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
-                             f"{len(ids)} tokens and max_tokens is {params.max_tokens}")
+            raise ValueError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
+                f"{len(ids)} tokens and max_tokens is {params.max_tokens}"
+            )
         need = -(-(len(ids) + params.max_tokens) // self.config.block_size)
         if need > self.block_manager.num_blocks:
-            raise ValueError(f"the request needs {need} KV blocks; this rank has {self.block_manager.num_blocks}")
+            raise ValueError(
+                f"the request needs {need} KV blocks; this rank has {self.block_manager.num_blocks}"
+            )
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request in any state and free its blocks. Returns False if it is unknown."""
@@ -124,9 +142,14 @@ class LLMEngine:
             # "cached" is the prefix-cache hit, reported with a prompt's first chunk; the later chunks
             # of a chunked prefill start after tokens computed in earlier steps, which are no hit
             cached = [p.start if p.start == p.seq.num_cached_tokens else 0 for p in prefills]
-            self.log.info("Scheduled prefill batch: %d reqs, %d new tokens (cached: %s, new: %s), req_ids: %s",
-                          len(prefills), sum(p.num_tokens for p in prefills), cached,
-                          [p.num_tokens for p in prefills], tuple(p.seq.seq_id for p in prefills))
+            self.log.info(
+                "Scheduled prefill batch: %d reqs, %d new tokens (cached: %s, new: %s), req_ids: %s",
+                len(prefills),
+                sum(p.num_tokens for p in prefills),
+                cached,
+                [p.num_tokens for p in prefills],
+                tuple(p.seq.seq_id for p in prefills),
+            )
 
     def _postprocess(self, batch: ScheduledBatch, tokens: list[int]) -> list[RequestOutput]:
         outputs = []
@@ -152,21 +175,36 @@ class LLMEngine:
         elif seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
             reason = "length"
         if reason:
-            if token in req.stop_ids:  # like vLLM: a stop token's own text is not part of the output
+            if (
+                token in req.stop_ids
+            ):  # like vLLM: a stop token's own text is not part of the output
                 req.detok.flush(seq.output_token_ids[:-1])
             elif not matched_stop_string:
                 req.detok.flush(seq.output_token_ids)
             self.scheduler.finish(seq, reason)
             del self.requests[seq.request_id]
-        return RequestOutput(seq.request_id, [token], req.detok.delta(reason is not None), reason is not None,
-                             reason, seq.num_prompt_tokens, seq.num_cached_tokens, seq.num_output_tokens)
+        return RequestOutput(
+            seq.request_id,
+            [token],
+            req.detok.delta(reason is not None),
+            reason is not None,
+            reason,
+            seq.num_prompt_tokens,
+            seq.num_cached_tokens,
+            seq.num_output_tokens,
+        )
 
     # ----- convenience -----------------------------------------------------------------------
-    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams]) -> list[dict]:
+    def generate(
+        self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[dict]:
         """Run ``prompts`` to completion together; returns text, token ids and cache counts."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         ids = [f"gen-{i}-{id(self)}" for i in range(len(prompts))]
-        results = {rid: {"text": "", "token_ids": [], "finish_reason": None, "num_cached_tokens": 0} for rid in ids}
+        results = {
+            rid: {"text": "", "token_ids": [], "finish_reason": None, "num_cached_tokens": 0}
+            for rid in ids
+        }
         for rid, prompt, p in zip(ids, prompts, params_list):
             self.add_request(rid, prompt, p)
         while self.has_unfinished_requests():

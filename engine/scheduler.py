@@ -1,5 +1,6 @@
 """Continuous batching: FCFS, chunked prefill under a token budget, decodes and prefills mixed,
 preemption by recompute when the KV pool runs dry."""
+
 from __future__ import annotations
 
 from collections import deque

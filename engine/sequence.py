@@ -1,4 +1,5 @@
 """A request's plain state inside one engine: tokens, blocks, progress. No torch here."""
+
 from __future__ import annotations
 
 import enum
@@ -21,8 +22,13 @@ class Sequence:
 
     _ids = itertools.count()
 
-    def __init__(self, token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                 block_size: int = 16):
+    def __init__(
+        self,
+        token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        block_size: int = 16,
+    ):
         self.seq_id = next(Sequence._ids)
         self.request_id = request_id if request_id is not None else str(self.seq_id)
         self.token_ids = list(token_ids)
@@ -40,8 +46,10 @@ class Sequence:
         self._digests: list[int] = []
 
     def __repr__(self):
-        return (f"Sequence(id={self.seq_id}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
-                f"blocks={self.block_table}, status={self.status.value})")
+        return (
+            f"Sequence(id={self.seq_id}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
+            f"blocks={self.block_table}, status={self.status.value})"
+        )
 
     @property
     def num_tokens(self) -> int:
@@ -53,7 +61,7 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def num_full_blocks(self) -> int:
@@ -64,7 +72,7 @@ class Sequence:
         return self.status is SequenceStatus.FINISHED
 
     def block_tokens(self, i: int) -> list[int]:
-        return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
+        return self.token_ids[i * self.block_size : (i + 1) * self.block_size]
 
     def digest(self, i: int) -> int:
         """Digest of full block ``i``, computed once and memoised (tokens never change once full)."""

@@ -1,4 +1,5 @@
 """Prefix-cache statistics per engine, logged in ATOM's format."""
+
 from __future__ import annotations
 
 import logging
@@ -16,8 +17,10 @@ class CacheCounter:
         return self.cached_tokens / self.total_tokens if self.total_tokens else 0.0
 
     def line(self, label: str) -> str:
-        return (f"[Cache Stats {label:<8}] Reqs: {self.requests}, Cached/Total tokens: "
-                f"{self.cached_tokens}/{self.total_tokens}, Hit rate: {self.hit_rate * 100:.2f}%")
+        return (
+            f"[Cache Stats {label:<8}] Reqs: {self.requests}, Cached/Total tokens: "
+            f"{self.cached_tokens}/{self.total_tokens}, Hit rate: {self.hit_rate * 100:.2f}%"
+        )
 
 
 class CacheStats:

@@ -29,6 +29,7 @@ once by::
 
 It is committed so the tokenizer does not depend on the Python patch version running the build.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -66,8 +67,13 @@ CHAT_TEMPLATE = (
 )
 
 # Files whose presence marks a finished model directory (the rename makes them appear together).
-_REQUIRED_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-                   "tokenizer_config.json")
+_REQUIRED_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+)
 
 
 def default_cache_dir() -> Path:
@@ -99,10 +105,14 @@ def resolve_model_path(model: str) -> str:
     if model and path.is_dir() and (path / "config.json").is_file():
         return model
     if model and path.is_dir():
-        raise ValueError(f"model directory {model!r} has no config.json; "
-                         "expected a Hugging Face model saved with save_pretrained()")
-    raise ValueError(f"model {model!r} is neither 'tiny' nor an existing local model directory "
-                     "(hub ids are not supported: download the model and pass its directory)")
+        raise ValueError(
+            f"model directory {model!r} has no config.json; "
+            "expected a Hugging Face model saved with save_pretrained()"
+        )
+    raise ValueError(
+        f"model {model!r} is neither 'tiny' nor an existing local model directory "
+        "(hub ids are not supported: download the model and pass its directory)"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -258,8 +268,10 @@ def _build_model(tokenizer):
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id,
         # Stop on the end of a chat turn and on the document separator alike.
-        eos_token_id=[tokenizer.convert_tokens_to_ids(EOS_TOKEN),
-                      tokenizer.convert_tokens_to_ids(BOS_TOKEN)],
+        eos_token_id=[
+            tokenizer.convert_tokens_to_ids(EOS_TOKEN),
+            tokenizer.convert_tokens_to_ids(BOS_TOKEN),
+        ],
         pad_token_id=tokenizer.pad_token_id,
         do_sample=False,
     )
@@ -288,8 +300,11 @@ def _fill_weights(model) -> None:
 def main(argv: list[str] | None = None) -> None:
     """``python -m engine.tiny [--cache-dir DIR]``: build if needed and print the model path."""
     parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("--cache-dir", default=None,
-                        help="cache root (default: $DPMESH_CACHE_DIR or ~/.cache/dpmesh)")
+    parser.add_argument(
+        "--cache-dir",
+        default=None,
+        help="cache root (default: $DPMESH_CACHE_DIR or ~/.cache/dpmesh)",
+    )
     args = parser.parse_args(argv)
     print(ensure_tiny_model(args.cache_dir))
 

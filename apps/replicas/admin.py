@@ -6,6 +6,7 @@ The admin's views are sync and run in a worker thread (daphne runs Django under 
 async services are called through ``async_to_sync``: they run on the server's event loop, where
 the router's state lives, and their database writes come back to this thread (and its
 transaction)."""
+
 from __future__ import annotations
 
 import json
@@ -33,9 +34,15 @@ class WorkerAddForm(forms.ModelForm):
     """url, api_key, dp_aware; ``clean()`` registers the worker through ``worker_add`` (discovery
     through /server_info), so a worker that cannot be discovered is a form error."""
 
-    url = forms.CharField(max_length=500, help_text="the engine's base URL, e.g. http://10.0.0.5:8000")
-    api_key = forms.CharField(max_length=500, required=False, widget=forms.PasswordInput(render_value=False),
-                              help_text="sent to the engine as 'Authorization: Bearer'; optional")
+    url = forms.CharField(
+        max_length=500, help_text="the engine's base URL, e.g. http://10.0.0.5:8000"
+    )
+    api_key = forms.CharField(
+        max_length=500,
+        required=False,
+        widget=forms.PasswordInput(render_value=False),
+        help_text="sent to the engine as 'Authorization: Bearer'; optional",
+    )
 
     class Meta:
         model = Worker
@@ -57,8 +64,12 @@ class WorkerAddForm(forms.ModelForm):
         if self.errors:
             return data
         try:
-            self.registered = async_to_sync(worker_add)(url=data["url"], api_key=data.get("api_key") or "",
-                                                        dp_aware=bool(data.get("dp_aware")), strict=True)
+            self.registered = async_to_sync(worker_add)(
+                url=data["url"],
+                api_key=data.get("api_key") or "",
+                dp_aware=bool(data.get("dp_aware")),
+                strict=True,
+            )
         except (ValueError, DiscoveryError) as exc:
             raise ValidationError(f"discovery failed: {exc}") from exc
         self.instance = self.registered
@@ -73,8 +84,12 @@ class WorkerAddForm(forms.ModelForm):
 
 
 class WorkerChangeForm(forms.ModelForm):
-    api_key = forms.CharField(max_length=500, required=False, widget=forms.PasswordInput(render_value=False),
-                              help_text="leave blank to keep the current key")
+    api_key = forms.CharField(
+        max_length=500,
+        required=False,
+        widget=forms.PasswordInput(render_value=False),
+        help_text="leave blank to keep the current key",
+    )
 
     class Meta:
         model = Worker
@@ -112,26 +127,70 @@ class RankHitRates:
 class RankInline(ReadOnly, RankHitRates, admin.TabularInline):
     model = Rank
     extra = 0
-    fields = readonly_fields = ["rank", "circuit_state", "requests", "prompt_tokens", "cached_tokens",
-                                "predicted_tokens", "errors", "router_hit_rate", "engine_hit_rate"]
+    fields = readonly_fields = [
+        "rank",
+        "circuit_state",
+        "requests",
+        "prompt_tokens",
+        "cached_tokens",
+        "predicted_tokens",
+        "errors",
+        "router_hit_rate",
+        "engine_hit_rate",
+    ]
 
 
 @admin.register(Worker)
 class WorkerAdmin(admin.ModelAdmin):
-    list_display = ["url", "model_name", "dp_size", "health", "draining", "rank_count", "last_checked_at"]
+    list_display = [
+        "url",
+        "model_name",
+        "dp_size",
+        "health",
+        "draining",
+        "rank_count",
+        "last_checked_at",
+    ]
     list_filter = ["health", "draining"]
     search_fields = ["url", "model_id", "served_model_name"]
     form = WorkerChangeForm
     add_form = WorkerAddForm
     add_fieldsets = [(None, {"fields": ["url", "api_key", "dp_aware"]})]
     fieldsets = [
-        (None, {"fields": ["url", "model_id", "served_model_name", "dp_size", "api_key", "dp_aware", "draining"]}),
-        ("Health", {"fields": ["health", "health_detail", "last_checked_at", "created_at", "updated_at"]}),
+        (
+            None,
+            {
+                "fields": [
+                    "url",
+                    "model_id",
+                    "served_model_name",
+                    "dp_size",
+                    "api_key",
+                    "dp_aware",
+                    "draining",
+                ]
+            },
+        ),
+        (
+            "Health",
+            {"fields": ["health", "health_detail", "last_checked_at", "created_at", "updated_at"]},
+        ),
         ("Discovery", {"fields": ["server_info_json"]}),
         (f"Health history (last {HISTORY_LENGTH} events)", {"fields": ["health_history"]}),
     ]
-    readonly_fields = ["url", "model_id", "served_model_name", "dp_size", "health", "health_detail",
-                       "last_checked_at", "created_at", "updated_at", "server_info_json", "health_history"]
+    readonly_fields = [
+        "url",
+        "model_id",
+        "served_model_name",
+        "dp_size",
+        "health",
+        "health_detail",
+        "last_checked_at",
+        "created_at",
+        "updated_at",
+        "server_info_json",
+        "health_history",
+    ]
     inlines = [RankInline]
     actions = ["drain_selected", "undrain_selected"]
 
@@ -149,17 +208,25 @@ class WorkerAdmin(admin.ModelAdmin):
 
     @admin.display(description="server_info")
     def server_info_json(self, worker):
-        return format_html("<pre>{}</pre>", json.dumps(worker.server_info, indent=2, sort_keys=True))
+        return format_html(
+            "<pre>{}</pre>", json.dumps(worker.server_info, indent=2, sort_keys=True)
+        )
 
     @admin.display(description="events")
     def health_history(self, worker):
         events = worker.events.order_by("-at", "-id")[:HISTORY_LENGTH]
         if not events:
             return "—"
-        rows = format_html_join("", "<tr><td>{}</td><td>{}</td><td>{}</td></tr>",
-                                ((f"{e.at:%Y-%m-%d %H:%M:%S}", e.kind, e.detail) for e in events))
-        return format_html("<table><thead><tr><th>at (UTC)</th><th>kind</th><th>detail</th></tr></thead>"
-                           "<tbody>{}</tbody></table>", rows)
+        rows = format_html_join(
+            "",
+            "<tr><td>{}</td><td>{}</td><td>{}</td></tr>",
+            ((f"{e.at:%Y-%m-%d %H:%M:%S}", e.kind, e.detail) for e in events),
+        )
+        return format_html(
+            "<table><thead><tr><th>at (UTC)</th><th>kind</th><th>detail</th></tr></thead>"
+            "<tbody>{}</tbody></table>",
+            rows,
+        )
 
     # ----- add and change: through the services ---------------------------------------------------------
     def get_form(self, request, obj=None, **kwargs):
@@ -182,7 +249,9 @@ class WorkerAdmin(admin.ModelAdmin):
         saved = Worker.objects.get(pk=obj.pk)
         if (obj.api_key, obj.dp_aware) != (saved.api_key, saved.dp_aware):
             # rediscover with the new key, and install the targets dp-awareness asks for
-            async_to_sync(worker_add)(url=saved.url, api_key=obj.api_key, dp_aware=obj.dp_aware, strict=False)
+            async_to_sync(worker_add)(
+                url=saved.url, api_key=obj.api_key, dp_aware=obj.dp_aware, strict=False
+            )
         if obj.draining != saved.draining:
             async_to_sync(worker_set_draining)(worker_id=obj.pk, draining=obj.draining)
 
@@ -203,7 +272,11 @@ class WorkerAdmin(admin.ModelAdmin):
     def get_actions(self, request):
         actions = super().get_actions(request)
         if "delete_selected" in actions:  # same name: the confirmation page posts it back
-            actions["delete_selected"] = (remove_selected, "delete_selected", remove_selected.short_description)
+            actions["delete_selected"] = (
+                remove_selected,
+                "delete_selected",
+                remove_selected.short_description,
+            )
         return actions
 
     @admin.action(description="Drain selected workers", permissions=["change"])
@@ -217,8 +290,11 @@ class WorkerAdmin(admin.ModelAdmin):
     def _set_draining(self, request, queryset, draining: bool):
         ids = list(queryset.values_list("id", flat=True))
         async_to_sync(_drain_all)(ids, draining)
-        self.message_user(request, f"{'Drained' if draining else 'Undrained'} {len(ids)} worker(s).",
-                          messages.SUCCESS)
+        self.message_user(
+            request,
+            f"{'Drained' if draining else 'Undrained'} {len(ids)} worker(s).",
+            messages.SUCCESS,
+        )
 
 
 def remove_selected(modeladmin, request, queryset):
@@ -245,8 +321,19 @@ async def _drain_all(ids: list[int], draining: bool) -> None:
 class RankAdmin(ReadOnly, RankHitRates, admin.ModelAdmin):
     """Read-only: ranks follow their worker's discovery; the counters come from the router."""
 
-    list_display = ["__str__", "worker", "rank", "circuit_state", "requests", "prompt_tokens", "cached_tokens",
-                    "predicted_tokens", "errors", "router_hit_rate", "engine_hit_rate"]
+    list_display = [
+        "__str__",
+        "worker",
+        "rank",
+        "circuit_state",
+        "requests",
+        "prompt_tokens",
+        "cached_tokens",
+        "predicted_tokens",
+        "errors",
+        "router_hit_rate",
+        "engine_hit_rate",
+    ]
     list_filter = ["circuit_state"]
     list_select_related = ["worker"]
     search_fields = ["worker__url"]

@@ -16,6 +16,7 @@ Two comma-separated lists in ``settings.CONTROL_PLANE`` (env ``CONTROL_PLANE_ADM
 The settings are read on every check (a dict lookup and a split: nothing worth caching), so
 ``override_settings`` and ``serve_router``'s flags apply at once.
 """
+
 from __future__ import annotations
 
 import hmac
@@ -28,8 +29,14 @@ from django.middleware.csrf import CsrfViewMiddleware
 
 SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
 
-INVALID_API_KEY = {"error": {"message": "Incorrect API key provided.", "type": "invalid_request_error",
-                             "param": None, "code": "invalid_api_key"}}
+INVALID_API_KEY = {
+    "error": {
+        "message": "Incorrect API key provided.",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "invalid_api_key",
+    }
+}
 INVALID_API_KEY_BODY = json.dumps(INVALID_API_KEY).encode()
 
 
@@ -87,8 +94,9 @@ def invalid_api_key_response() -> JsonResponse:
 
 # ----- fleet mutations --------------------------------------------------------------------------------
 def _refuse(status: int, message: str, kind: str) -> JsonResponse:
-    response = JsonResponse({"error": {"message": message, "type": kind, "param": None, "code": status}},
-                            status=status)
+    response = JsonResponse(
+        {"error": {"message": message, "type": kind, "param": None, "code": status}}, status=status
+    )
     if status == 401:
         response["WWW-Authenticate"] = "Bearer"
     return response
@@ -107,13 +115,21 @@ async def admin_refusal(request) -> JsonResponse | None:
         return _refuse(401, "Incorrect admin key provided.", "authentication_error")
     user = await request.auser() if hasattr(request, "auser") else None
     if user is None or not user.is_authenticated:
-        return _refuse(401, "Changing workers needs 'Authorization: Bearer <admin key>' (CONTROL_PLANE_ADMIN_KEYS "
-                            "or runrouter --admin-key) or a staff session.", "authentication_error")
+        return _refuse(
+            401,
+            "Changing workers needs 'Authorization: Bearer <admin key>' (CONTROL_PLANE_ADMIN_KEYS "
+            "or runrouter --admin-key) or a staff session.",
+            "authentication_error",
+        )
     if not (user.is_active and user.is_staff):
         return _refuse(403, "Only staff users may change workers.", "invalid_request_error")
     if CsrfViewMiddleware(lambda r: None).process_view(request, None, (), {}) is not None:
-        return _refuse(403, "CSRF verification failed: send the csrftoken cookie's value as the X-CSRFToken "
-                            "header.", "invalid_request_error")
+        return _refuse(
+            403,
+            "CSRF verification failed: send the csrftoken cookie's value as the X-CSRFToken "
+            "header.",
+            "invalid_request_error",
+        )
     return None
 
 

@@ -1,5 +1,6 @@
 """A circuit breaker per routing target (SGLang router's defaults: 10 failures in 120 s open it
 for 60 s; then one trial request at a time, and 3 successes close it)."""
+
 from __future__ import annotations
 
 import time
@@ -9,8 +10,14 @@ from collections import deque
 class CircuitBreaker:
     CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
 
-    def __init__(self, failure_threshold: int = 10, window_s: float = 120.0, open_s: float = 60.0,
-                 success_threshold: int = 3, clock=time.monotonic):
+    def __init__(
+        self,
+        failure_threshold: int = 10,
+        window_s: float = 120.0,
+        open_s: float = 60.0,
+        success_threshold: int = 3,
+        clock=time.monotonic,
+    ):
         self.failure_threshold, self.window_s, self.open_s = failure_threshold, window_s, open_s
         self.success_threshold = success_threshold
         self.clock = clock

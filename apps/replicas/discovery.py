@@ -1,5 +1,6 @@
 """Discovery: what a worker is, from its own /server_info (SGLang's older /get_server_info as a
 fallback; a plain OpenAI server that has neither is one target serving what /v1/models lists)."""
+
 from __future__ import annotations
 
 import os
@@ -61,11 +62,21 @@ def view_of(worker, tokenizer_path: str | None = None) -> WorkerView:
     block = info.get("block_size") or info.get("page_size")
     model = worker.model_name
     aliases = {a for a in (worker.served_model_name, worker.model_id, info.get("model_path")) if a}
-    return WorkerView(worker_id=worker.id, url=worker.url.rstrip("/"), api_key=worker.api_key, model=model,
-                      model_aliases=aliases, dp_size=worker.dp_size, dp_aware=worker.dp_aware,
-                      block_size=block if path else None, tokenizer_path=path,
-                      capacity_blocks=info.get("num_kv_blocks_per_rank"), draining=worker.draining,
-                      instance_id=info.get("instance_id"),
-                      kv_events=info.get("kv_events") if path and block and info.get("prefix_digest") == SCHEME
-                      else None,
-                      healthy=worker.health != worker.Health.UNHEALTHY)
+    return WorkerView(
+        worker_id=worker.id,
+        url=worker.url.rstrip("/"),
+        api_key=worker.api_key,
+        model=model,
+        model_aliases=aliases,
+        dp_size=worker.dp_size,
+        dp_aware=worker.dp_aware,
+        block_size=block if path else None,
+        tokenizer_path=path,
+        capacity_blocks=info.get("num_kv_blocks_per_rank"),
+        draining=worker.draining,
+        instance_id=info.get("instance_id"),
+        kv_events=info.get("kv_events")
+        if path and block and info.get("prefix_digest") == SCHEME
+        else None,
+        healthy=worker.health != worker.Health.UNHEALTHY,
+    )

@@ -3,6 +3,7 @@
 The database (``Worker``, ``Rank``) is the durable record; ``Fleet.load_worker`` turns one row
 into routing targets: one per DP rank when the worker is dp-aware, else one for the worker.
 """
+
 from __future__ import annotations
 
 import random
@@ -26,8 +27,12 @@ class WorkerView:
     capacity_blocks: int | None
     healthy: bool = True
     draining: bool = False
-    instance_id: str | None = None  # changes when the engine restarts (its prefix caches are then empty)
-    kv_events: str | None = None  # the engine's KV events path, when its digests are the router's own
+    instance_id: str | None = (
+        None  # changes when the engine restarts (its prefix caches are then empty)
+    )
+    kv_events: str | None = (
+        None  # the engine's KV events path, when its digests are the router's own
+    )
     consecutive_failures: int = 0
     consecutive_successes: int = 0
 
@@ -35,6 +40,7 @@ class WorkerView:
 @dataclass(eq=False)
 class Target:
     """One place a request can go: ``worker`` plus, when dp-aware, the DP rank to inject."""
+
     worker: WorkerView
     rank: int | None
     rank_id: int | None = None  # the Rank row, for persisted stats

@@ -1,6 +1,7 @@
 """The health loop: every interval, ask each worker's /health; a worker is taken out after
 ``failure_threshold`` failures in a row and put back after ``success_threshold`` successes.
 Workers recorded but not yet discovered are discovered here once they answer."""
+
 from __future__ import annotations
 
 import asyncio
@@ -18,10 +19,14 @@ from apps.routing.router import Router, get_router
 logger = logging.getLogger(__name__)
 
 
-async def probe(client: httpx.AsyncClient, view: WorkerView, timeout: float) -> tuple[str | None, str | None]:
+async def probe(
+    client: httpx.AsyncClient, view: WorkerView, timeout: float
+) -> tuple[str | None, str | None]:
     """(None when healthy, else why not; the engine's instance id when its /health says it)."""
     try:
-        r = await client.get(view.url + "/health", headers=auth_headers(view.api_key), timeout=timeout)
+        r = await client.get(
+            view.url + "/health", headers=auth_headers(view.api_key), timeout=timeout
+        )
     except httpx.HTTPError as exc:
         return f"unreachable: {exc!r}", None
     if r.status_code != 200:
@@ -36,7 +41,9 @@ async def probe(client: httpx.AsyncClient, view: WorkerView, timeout: float) -> 
 
 async def check_worker(router: Router, view: WorkerView) -> None:
     cfg = router.config
-    problem, instance = await probe(upstream.get(cfg), view, timeout=min(5.0, cfg.health_check_interval_s))
+    problem, instance = await probe(
+        upstream.get(cfg), view, timeout=min(5.0, cfg.health_check_interval_s)
+    )
     if problem is None and instance and view.instance_id and instance != view.instance_id:
         await rediscover(router, view)
         view = router.fleet.workers.get(view.worker_id, view)
@@ -58,6 +65,7 @@ async def rediscover(router: Router, view: WorkerView) -> None:
     """Another engine instance answers at the worker's URL (a restart: its prefix caches are
     empty, maybe its dp_size changed). Discover it again now; ``install`` forgets the index."""
     from apps.replicas.services import worker_add
+
     logger.info("worker %s answers with another instance id: rediscovering", view.url)
     try:
         await worker_add(url=view.url, api_key=view.api_key, dp_aware=view.dp_aware, router=router)
@@ -68,17 +76,22 @@ async def rediscover(router: Router, view: WorkerView) -> None:
 async def _persist(view: WorkerView, health: str, detail: str) -> None:
     """Record a transition: the worker's health, and a ``healthy``/``unhealthy`` WorkerEvent."""
     from apps.replicas.models import WorkerEvent
-    updated = await Worker.objects.filter(id=view.worker_id).aupdate(health=health, health_detail=detail,
-                                                                     last_checked_at=timezone.now())
+
+    updated = await Worker.objects.filter(id=view.worker_id).aupdate(
+        health=health, health_detail=detail, last_checked_at=timezone.now()
+    )
     if updated:  # not removed meanwhile
         await WorkerEvent.objects.acreate(worker_id=view.worker_id, kind=health, detail=detail)
 
 
 async def discover_pending(router: Router) -> None:
     from apps.replicas.services import worker_add
+
     async for worker in Worker.objects.filter(server_info={}):
         try:
-            await worker_add(url=worker.url, api_key=worker.api_key, dp_aware=worker.dp_aware, router=router)
+            await worker_add(
+                url=worker.url, api_key=worker.api_key, dp_aware=worker.dp_aware, router=router
+            )
         except Exception as exc:  # still not up: try again next round
             logger.debug("worker %s still not discoverable: %s", worker.url, exc)
 
@@ -88,12 +101,17 @@ async def health_loop(router: Router | None = None) -> None:
     while True:
         try:
             await discover_pending(router)
-            await asyncio.gather(*(check_worker(router, v) for v in list(router.fleet.workers.values())))
+            await asyncio.gather(
+                *(check_worker(router, v) for v in list(router.fleet.workers.values()))
+            )
         except asyncio.CancelledError:
             raise
         except Exception:
             logger.exception("health round failed")
         # undiscovered workers (an engine still starting) are retried sooner than the interval
         pending = await Worker.objects.filter(server_info={}).aexists()
-        await asyncio.sleep(min(0.5, router.config.health_check_interval_s) if pending
-                            else router.config.health_check_interval_s)
+        await asyncio.sleep(
+            min(0.5, router.config.health_check_interval_s)
+            if pending
+            else router.config.health_check_interval_s
+        )

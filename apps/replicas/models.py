@@ -1,4 +1,5 @@
 """Who serves: a Worker is one engine endpoint; a Rank is one DP rank of it."""
+
 from django.db import models
 
 
@@ -50,7 +51,9 @@ class Rank(models.Model):
 
     class Meta:
         ordering = ["worker_id", "rank"]
-        constraints = [models.UniqueConstraint(fields=["worker", "rank"], name="unique_worker_rank")]
+        constraints = [
+            models.UniqueConstraint(fields=["worker", "rank"], name="unique_worker_rank")
+        ]
 
     def __str__(self):
         return self.worker.url if self.rank is None else f"{self.worker.url}@{self.rank}"

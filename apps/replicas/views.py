@@ -3,6 +3,7 @@
 Mutations (POST /workers, DELETE /workers/{id}, POST /add_worker, POST /remove_worker) need an
 admin key (``Authorization: Bearer``) or a staff session with a CSRF token: apps/replicas/auth.py.
 Reads (GET /workers, GET /workers/{id}, GET /list_workers) stay open, as in SGLang's router."""
+
 from __future__ import annotations
 
 import json
@@ -17,8 +18,17 @@ from apps.replicas.services import worker_add, worker_as_dict, worker_remove
 
 
 def _error(status: int, message: str) -> JsonResponse:
-    return JsonResponse({"error": {"message": message, "type": "invalid_request_error", "param": None,
-                                   "code": status}}, status=status)
+    return JsonResponse(
+        {
+            "error": {
+                "message": message,
+                "type": "invalid_request_error",
+                "param": None,
+                "code": status,
+            }
+        },
+        status=status,
+    )
 
 
 async def _register(url: str, api_key: str = "", dp_aware=None) -> JsonResponse:

@@ -1,5 +1,6 @@
 """The admin for routing: the active policy (applied to this process's router at once; other router
 processes pick the row up when they next sync) and the benchmark runs (read-only)."""
+
 from __future__ import annotations
 
 from asgiref.sync import async_to_sync
@@ -32,7 +33,9 @@ class RoutingSettingsAdmin(admin.ModelAdmin):
         obj.updated_by = request.user.get_username()
         super().save_model(request, obj, form, change)
         policy = obj.policy
-        transaction.on_commit(lambda: (async_to_sync(_apply_policy)(policy), notify_dashboard("policy")))
+        transaction.on_commit(
+            lambda: (async_to_sync(_apply_policy)(policy), notify_dashboard("policy"))
+        )
 
 
 @admin.register(BenchRun)
@@ -41,7 +44,16 @@ class BenchRunAdmin(admin.ModelAdmin):
 
     list_display = ["id", "created_at", "status", "params_summary", "result_summary", "created_by"]
     list_filter = ["status"]
-    readonly_fields = ["created_at", "finished_at", "created_by", "status", "base_url", "params", "result", "error"]
+    readonly_fields = [
+        "created_at",
+        "finished_at",
+        "created_by",
+        "status",
+        "base_url",
+        "params",
+        "result",
+        "error",
+    ]
 
     def has_add_permission(self, request):
         return False
@@ -57,15 +69,16 @@ class BenchRunAdmin(admin.ModelAdmin):
     def result_summary(self, run):
         if run.error:
             return run.error[:120]
-        return _summary({k: v for k, v in (run.result or {}).items() if not isinstance(v, (dict, list))})
+        return _summary(
+            {k: v for k, v in (run.result or {}).items() if not isinstance(v, (dict, list))}
+        )
 
 
 def _summary(data: dict, limit: int = 160) -> str:
     """``key=value`` pairs of a JSON object's scalars, shortened to one line."""
     if not data:
         return "—"
-    text = ", ".join(f"{k}={v}" for k, v in data.items()
-                     if not isinstance(v, (dict, list)))
+    text = ", ".join(f"{k}={v}" for k, v in data.items() if not isinstance(v, (dict, list)))
     if not text:
         return "—"
-    return text if len(text) <= limit else text[:limit - 1] + "…"
+    return text if len(text) <= limit else text[: limit - 1] + "…"

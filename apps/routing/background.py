@@ -9,6 +9,7 @@ apps/replicas/serving.py starts these):
   apps/routing/jobs.py on their intervals, each in a thread so the event loop keeps serving.
   With ``REDIS_URL`` a Celery worker with beat runs them instead, and this loop is not started.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -36,11 +37,13 @@ def embedded() -> bool:
 # ----- policy --------------------------------------------------------------------------------------
 def _policy_row():
     from apps.routing.models import RoutingSettings
+
     return RoutingSettings.load()
 
 
 def _save_policy(name: str, by: str):
     from apps.routing.models import RoutingSettings
+
     row = RoutingSettings.load()
     row.policy, row.updated_by = name, by
     row.save()
@@ -50,6 +53,7 @@ def _save_policy(name: str, by: str):
 async def set_policy(router, name: str, by: str) -> None:
     """Switch the policy now in this process and durably for every router process."""
     from apps.routing.policies import POLICIES
+
     if name not in POLICIES:
         raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(sorted(POLICIES))}")
     await sync_to_async(_save_policy)(name, by)
@@ -70,18 +74,29 @@ async def adopt_policy(router, flag: str | None) -> None:
 # ----- fleet ---------------------------------------------------------------------------------------
 def _db_workers() -> list:
     from apps.replicas.models import Worker
-    return [(w, {r.rank: r.id for r in w.ranks.all()}) for w in Worker.objects.prefetch_related("ranks")]
+
+    return [
+        (w, {r.rank: r.id for r in w.ranks.all()}) for w in Worker.objects.prefetch_related("ranks")
+    ]
 
 
 def _fingerprint(worker, rank_ids: dict) -> tuple:
-    return (worker.url, worker.api_key, worker.dp_size, worker.dp_aware, worker.draining,
-            json.dumps(stable_info(worker.server_info), sort_keys=True), tuple(sorted(rank_ids.items(), key=str)))
+    return (
+        worker.url,
+        worker.api_key,
+        worker.dp_size,
+        worker.dp_aware,
+        worker.draining,
+        json.dumps(stable_info(worker.server_info), sort_keys=True),
+        tuple(sorted(rank_ids.items(), key=str)),
+    )
 
 
 async def sync_fleet(router) -> None:
     """Make the router's fleet match the Worker rows (only what changed is reinstalled; a
     reinstalled worker keeps its targets' load, breakers and health)."""
     from apps.replicas.services import install
+
     rows = await sync_to_async(_db_workers)()
     synced = router.db_fingerprints
     seen = set()
@@ -133,8 +148,11 @@ async def run_in_thread(func, *args):
 async def embedded_jobs_loop() -> None:
     """Each job on its own interval; one slow job does not delay the others' schedule."""
     cp = settings.CONTROL_PLANE
-    schedule = [(jobs.scrape_fleet, cp["SCRAPE_INTERVAL_S"]), (jobs.refresh_discovery, cp["DISCOVERY_REFRESH_INTERVAL_S"]),
-                (jobs.prune, cp["PRUNE_INTERVAL_S"])]
+    schedule = [
+        (jobs.scrape_fleet, cp["SCRAPE_INTERVAL_S"]),
+        (jobs.refresh_discovery, cp["DISCOVERY_REFRESH_INTERVAL_S"]),
+        (jobs.prune, cp["PRUNE_INTERVAL_S"]),
+    ]
     due = {func: time.monotonic() for func, _ in schedule}
     running: dict = {}
     while True:
@@ -162,6 +180,7 @@ def enqueue_bench(run_id: int) -> None:
         asyncio.ensure_future(_guarded_bench(run_id))
     else:
         from apps.routing.tasks import run_bench
+
         run_bench.delay(run_id)
 
 

@@ -1,6 +1,7 @@
 """The dashboard's websocket: pushes a fleet snapshot on connect, after every scrape (any
 process's scrape job nudges the ``dashboard`` group through the channel layer) and at least every
 scrape interval (the router's in-flight numbers move between scrapes); takes the policy switch."""
+
 from __future__ import annotations
 
 import asyncio
@@ -51,7 +52,7 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
                 logger.exception("building the dashboard snapshot failed")
             try:
                 await asyncio.wait_for(self.pending.wait(), timeout=interval)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     async def fleet_changed(self, event):
@@ -69,6 +70,8 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
             await self.send_json({"type": "error", "message": "unknown action"})
             return
         try:
-            await set_policy(get_router(), str(content.get("policy")), self.scope["user"].get_username())
+            await set_policy(
+                get_router(), str(content.get("policy")), self.scope["user"].get_username()
+            )
         except ValueError as exc:
             await self.send_json({"type": "error", "message": str(exc)})

@@ -11,6 +11,7 @@ says at the last scrape; the router-predicted hit rate is predicted / prompt tok
 The series are per scrape interval (differences of the counters), so the chart shows how the
 hit rate moves now, not a cumulative average that stops moving.
 """
+
 from __future__ import annotations
 
 import time
@@ -40,13 +41,21 @@ def _latest_samples(rank_ids: list[int]) -> dict[int, RankSample]:
 def series(rank_keys: dict[int, str], window_s: float, max_points: int = 300) -> dict:
     """Per-interval engine hit rate per rank and for the fleet, and fleet requests/s."""
     since = timezone.now() - timedelta(seconds=window_s)
-    rows = (RankSample.objects.filter(rank_id__in=list(rank_keys), at__gte=since)
-            .order_by("at", "id").values_list("rank_id", "at", "requests", "prompt_tokens", "cached_tokens", "up"))
+    rows = (
+        RankSample.objects.filter(rank_id__in=list(rank_keys), at__gte=since)
+        .order_by("at", "id")
+        .values_list("rank_id", "at", "requests", "prompt_tokens", "cached_tokens", "up")
+    )
     by_time: dict = {}
     for rank_id, at, requests, prompt, cached, up in rows:
         by_time.setdefault(at, {})[rank_id] = (requests, prompt, cached, up)
-    times = sorted(by_time)[-(max_points + 1):]
-    out = {"t": [], "ranks": {key: [] for key in rank_keys.values()}, "fleet": [], "requests_per_s": []}
+    times = sorted(by_time)[-(max_points + 1) :]
+    out = {
+        "t": [],
+        "ranks": {key: [] for key in rank_keys.values()},
+        "fleet": [],
+        "requests_per_s": [],
+    }
     for before, after in zip(times, times[1:]):
         a, b = by_time[before], by_time[after]
         dt = (after - before).total_seconds()
@@ -55,7 +64,10 @@ def series(rank_keys: dict[int, str], window_s: float, max_points: int = 300) ->
         for rank_id, key in rank_keys.items():
             if rank_id in a and rank_id in b and b[rank_id][3]:
                 # a restarted engine counts from zero again: then the new value is the difference
-                dr, dp, dc = (new - old if new >= old else new for old, new in zip(a[rank_id][:3], b[rank_id][:3]))
+                dr, dp, dc = (
+                    new - old if new >= old else new
+                    for old, new in zip(a[rank_id][:3], b[rank_id][:3])
+                )
                 d_req, d_prompt, d_cached = d_req + dr, d_prompt + dp, d_cached + dc
                 out["ranks"][key].append(_rate(dc, dp))
             else:
@@ -75,8 +87,18 @@ def build_snapshot(router) -> dict:
     rank_rows = {(row.worker_id, row.rank): row for w in workers for row in w.ranks.all()}
     latest = _latest_samples([row.id for row in rank_rows.values()])
     targets = {t.key: t for t in router.fleet.all_targets()}
-    fleet = dict.fromkeys(("requests", "prompt_tokens", "predicted_tokens", "engine_requests", "engine_prompt_tokens",
-                           "engine_cached_tokens", "inflight_requests"), 0)
+    fleet = dict.fromkeys(
+        (
+            "requests",
+            "prompt_tokens",
+            "predicted_tokens",
+            "engine_requests",
+            "engine_prompt_tokens",
+            "engine_cached_tokens",
+            "inflight_requests",
+        ),
+        0,
+    )
     worker_rows, rank_keys = [], {}
     for w in workers:
         view = router.fleet.workers.get(w.id)
@@ -91,24 +113,42 @@ def build_snapshot(router) -> dict:
             requests = row.requests + delta["requests"]
             prompt = row.prompt_tokens + delta["prompt_tokens"]
             predicted = row.predicted_tokens + delta["predicted_tokens"]
-            engine = ({"engine_requests": sample.requests, "engine_prompt_tokens": sample.prompt_tokens,
-                       "engine_cached_tokens": sample.cached_tokens} if sample else
-                      dict.fromkeys(("engine_requests", "engine_prompt_tokens", "engine_cached_tokens")))
+            engine = (
+                {
+                    "engine_requests": sample.requests,
+                    "engine_prompt_tokens": sample.prompt_tokens,
+                    "engine_cached_tokens": sample.cached_tokens,
+                }
+                if sample
+                else dict.fromkeys(
+                    ("engine_requests", "engine_prompt_tokens", "engine_cached_tokens")
+                )
+            )
             router_rate = _rate(predicted, prompt)
             engine_rate = _rate(sample.cached_tokens, sample.prompt_tokens) if sample else None
             inflight = target.load.inflight if target else 0  # every router process's
-            ranks.append({
-                "key": key, "rank": row.rank,
-                "circuit": target.breaker.state if target else row.circuit_state,
-                "available": bool(target and target.available),
-                "requests": requests, "prompt_tokens": prompt, "predicted_tokens": predicted,
-                "router_hit_rate": router_rate, **engine, "engine_hit_rate": engine_rate,
-                "gap": engine_rate - router_rate if engine_rate is not None and router_rate is not None else None,
-                "inflight_requests": inflight, "inflight_tokens": target.load.inflight_tokens if target else 0,
-                "kv_blocks_used": sample.kv_blocks_used if sample else None,
-                "kv_blocks_total": sample.kv_blocks_total if sample else None,
-                "scraped_at": sample.at.timestamp() if sample else None,
-            })
+            ranks.append(
+                {
+                    "key": key,
+                    "rank": row.rank,
+                    "circuit": target.breaker.state if target else row.circuit_state,
+                    "available": bool(target and target.available),
+                    "requests": requests,
+                    "prompt_tokens": prompt,
+                    "predicted_tokens": predicted,
+                    "router_hit_rate": router_rate,
+                    **engine,
+                    "engine_hit_rate": engine_rate,
+                    "gap": engine_rate - router_rate
+                    if engine_rate is not None and router_rate is not None
+                    else None,
+                    "inflight_requests": inflight,
+                    "inflight_tokens": target.load.inflight_tokens if target else 0,
+                    "kv_blocks_used": sample.kv_blocks_used if sample else None,
+                    "kv_blocks_total": sample.kv_blocks_total if sample else None,
+                    "scraped_at": sample.at.timestamp() if sample else None,
+                }
+            )
             fleet["requests"] += requests
             fleet["prompt_tokens"] += prompt
             fleet["predicted_tokens"] += predicted
@@ -117,8 +157,18 @@ def build_snapshot(router) -> dict:
                 fleet["engine_requests"] += sample.requests
                 fleet["engine_prompt_tokens"] += sample.prompt_tokens
                 fleet["engine_cached_tokens"] += sample.cached_tokens
-        worker_rows.append({"id": w.id, "url": w.url, "model": w.model_name, "dp_size": w.dp_size, "health": health,
-                            "health_detail": w.health_detail, "draining": w.draining, "ranks": ranks})
+        worker_rows.append(
+            {
+                "id": w.id,
+                "url": w.url,
+                "model": w.model_name,
+                "dp_size": w.dp_size,
+                "health": health,
+                "health_detail": w.health_detail,
+                "draining": w.draining,
+                "ranks": ranks,
+            }
+        )
     fleet["router_hit_rate"] = _rate(fleet["predicted_tokens"], fleet["prompt_tokens"])
     fleet["engine_hit_rate"] = _rate(fleet["engine_cached_tokens"], fleet["engine_prompt_tokens"])
     chart = series(rank_keys, cp["DASHBOARD_WINDOW_S"])
@@ -126,12 +176,25 @@ def build_snapshot(router) -> dict:
     fleet["requests_per_s"] = rps[-1] if rps else None
     policy = RoutingSettings.objects.filter(id=1).first()
     return {
-        "type": "snapshot", "at": time.time(),
-        "policy": router.config.policy, "policies": sorted(POLICIES),
+        "type": "snapshot",
+        "at": time.time(),
+        "policy": router.config.policy,
+        "policies": sorted(POLICIES),
         "policy_updated_by": policy.updated_by if policy else None,
         "policy_updated_at": policy.updated_at.isoformat() if policy else None,
         "scrape_interval_s": cp["SCRAPE_INTERVAL_S"],
-        "fleet": fleet, "workers": worker_rows, "series": chart,
-        "bench": [{"id": b.id, "created_at": b.created_at.isoformat(), "status": b.status, "error": b.error,
-                   "params": b.params, "result": b.result} for b in BenchRun.objects.all()[:10]],
+        "fleet": fleet,
+        "workers": worker_rows,
+        "series": chart,
+        "bench": [
+            {
+                "id": b.id,
+                "created_at": b.created_at.isoformat(),
+                "status": b.status,
+                "error": b.error,
+                "params": b.params,
+                "result": b.result,
+            }
+            for b in BenchRun.objects.all()[:10]
+        ],
     }

@@ -1,5 +1,6 @@
 """The dashboard page and its two actions (staff only). Live data comes over the websocket
 (apps/routing/consumers.py); ``/dashboard/snapshot`` serves the same JSON for scripts."""
+
 from __future__ import annotations
 
 import json
@@ -17,8 +18,17 @@ from apps.routing.router import get_router
 
 
 def _error(status: int, message: str) -> JsonResponse:
-    return JsonResponse({"error": {"message": message, "type": "invalid_request_error", "param": None,
-                                   "code": status}}, status=status)
+    return JsonResponse(
+        {
+            "error": {
+                "message": message,
+                "type": "invalid_request_error",
+                "param": None,
+                "code": status,
+            }
+        },
+        status=status,
+    )
 
 
 def _json_body(request) -> dict:
@@ -34,8 +44,15 @@ def _json_body(request) -> dict:
 @staff_member_required
 @require_GET
 def dashboard(request):
-    return render(request, "routing/dashboard.html", {"policies": sorted(POLICIES), "policy": get_router().config.policy,
-                                                      "ws_path": "/ws/dashboard/"})
+    return render(
+        request,
+        "routing/dashboard.html",
+        {
+            "policies": sorted(POLICIES),
+            "policy": get_router().config.policy,
+            "ws_path": "/ws/dashboard/",
+        },
+    )
 
 
 @staff_member_required
@@ -58,6 +75,7 @@ async def policy(request):
 
 def _create_run(base_url: str, params: dict, user: str):
     from apps.routing.models import BenchRun
+
     return BenchRun.objects.create(base_url=base_url, params=params, created_by=user)
 
 

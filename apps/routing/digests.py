@@ -5,6 +5,7 @@ A chat request is templated exactly as the engine templates it; matching raw mes
 against a cache of templated tokens is how other routers end up with zero overlap. A worker
 whose tokenizer we cannot load gets digests of 64-character chunks of the routing text instead.
 """
+
 from __future__ import annotations
 
 import functools
@@ -22,6 +23,7 @@ CHUNK_CHARS = 64
 @functools.lru_cache(maxsize=16)
 def load_tokenizer(path: str):
     from transformers import AutoTokenizer
+
     logger.info("loading tokenizer from %s", path)
     return AutoTokenizer.from_pretrained(path)
 
@@ -37,9 +39,15 @@ def prompt_token_ids(body: dict, chat: bool, tokenizer) -> list[int] | None:
     (the engine will then reject it; routing does not need to)."""
     if chat:
         messages = body.get("messages")
-        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+        if (
+            not isinstance(messages, list)
+            or not messages
+            or not all(isinstance(m, dict) for m in messages)
+        ):
             return None
-        clean = [{"role": m.get("role"), "content": _message_text(m.get("content"))} for m in messages]
+        clean = [
+            {"role": m.get("role"), "content": _message_text(m.get("content"))} for m in messages
+        ]
         try:
             text = tokenizer.apply_chat_template(clean, add_generation_prompt=True, tokenize=False)
         except Exception:  # a template that rejects these roles: let the engine say so
@@ -50,7 +58,9 @@ def prompt_token_ids(body: dict, chat: bool, tokenizer) -> list[int] | None:
         prompt = prompt[0]
     if isinstance(prompt, str):
         return tokenizer.encode(prompt, add_special_tokens=False)
-    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    if isinstance(prompt, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in prompt
+    ):
         return prompt
     return None
 
@@ -58,7 +68,11 @@ def prompt_token_ids(body: dict, chat: bool, tokenizer) -> list[int] | None:
 def routing_text(body: dict, chat: bool) -> str:
     if chat:
         messages = body.get("messages") if isinstance(body.get("messages"), list) else []
-        return "".join(f"{m.get('role')}:{_message_text(m.get('content'))}\n" for m in messages if isinstance(m, dict))
+        return "".join(
+            f"{m.get('role')}:{_message_text(m.get('content'))}\n"
+            for m in messages
+            if isinstance(m, dict)
+        )
     prompt = body.get("prompt")
     return prompt if isinstance(prompt, str) else str(prompt)
 
@@ -67,7 +81,7 @@ def text_digests(text: str) -> list[int]:
     digests, parent = [], b""
     data = text.encode()
     for start in range(0, len(data) - CHUNK_CHARS + 1, CHUNK_CHARS):
-        value = xxhash.xxh64_intdigest(parent + data[start:start + CHUNK_CHARS])
+        value = xxhash.xxh64_intdigest(parent + data[start : start + CHUNK_CHARS])
         digests.append(value)
         parent = value.to_bytes(8, "little")
     return digests
@@ -88,7 +102,9 @@ class RequestShape:
         return max(0, (self.prompt_tokens - 1) // self.block_tokens)
 
 
-def shape_request(body: dict, chat: bool, tokenizer_path: str | None, block_size: int | None) -> RequestShape:
+def shape_request(
+    body: dict, chat: bool, tokenizer_path: str | None, block_size: int | None
+) -> RequestShape:
     if tokenizer_path and block_size:
         ids = prompt_token_ids(body, chat, load_tokenizer(tokenizer_path))
         if ids is not None:

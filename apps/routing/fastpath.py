@@ -8,6 +8,7 @@ these two endpoints do not need: they have no session, no CSRF, no templates. So
 Their access control is checked here, from the scope's headers before the body is read: when API
 keys are configured (apps/replicas/auth.py) a request without one of them is answered 401.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -17,8 +18,16 @@ import logging
 from apps.replicas.auth import INVALID_API_KEY_BODY, api_key_allowed, scope_authorization
 from apps.routing.proxy import ProxyError, open_upstream, relay
 from apps.routing.router import get_router
-from engine.server.asgi import (BodyTooLarge, ClientGone, SSE_HEADERS, end_body, read_body, send_body,
-                                send_chunk, until_disconnect)
+from engine.server.asgi import (
+    SSE_HEADERS,
+    BodyTooLarge,
+    ClientGone,
+    end_body,
+    read_body,
+    send_body,
+    send_chunk,
+    until_disconnect,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -10,6 +10,7 @@ correct it: a snapshot replaces a rank's set (``replace``), stored blocks are in
 ones removed (``remove``). The inserts at routing time stay: they cover the requests whose
 blocks the engine has not stored yet (a burst of siblings).
 """
+
 from __future__ import annotations
 
 import time
@@ -70,7 +71,9 @@ class PrefixIndex:
                 self.branching.add(parent)
         now = self.clock()
         lru = self.ranks.setdefault(key, OrderedDict())
-        for digest in reversed(digests):  # the head ends most recent: like the engine, evict tails first
+        for digest in reversed(
+            digests
+        ):  # the head ends most recent: like the engine, evict tails first
             if digest in lru:
                 lru.move_to_end(digest)
             else:

@@ -6,6 +6,7 @@ in a Celery worker (``apps/routing/tasks.py`` wraps each one in a task) or, in t
 mode, in a thread of the router process (``apps/routing/background.py``). Router processes pick
 up what they change (a new dp_size, a draining flag) from the database.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -36,8 +37,17 @@ _router_loop: asyncio.AbstractEventLoop | None = None
 def notify_on(loop: asyncio.AbstractEventLoop | None) -> None:
     global _router_loop
     _router_loop = loop
-SAMPLE_FIELDS = ("requests", "prompt_tokens", "cached_tokens", "running", "waiting", "kv_blocks_used",
-                 "kv_blocks_total")
+
+
+SAMPLE_FIELDS = (
+    "requests",
+    "prompt_tokens",
+    "cached_tokens",
+    "running",
+    "waiting",
+    "kv_blocks_used",
+    "kv_blocks_total",
+)
 
 # Engine metric names -> RankSample fields: ours (per-rank label "rank"), then vLLM's (label
 # "engine" is its DP rank) so a vLLM worker behind the router gets a time series too.
@@ -66,7 +76,9 @@ def parse_engine_metrics(text: str) -> dict[int | None, dict[str, float]]:
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             # by sample name: exporters differ in whether the TYPE line carries "_total"
-            field = _METRIC_MAP.get(sample.name) or _METRIC_MAP.get(sample.name.removesuffix("_total"))
+            field = _METRIC_MAP.get(sample.name) or _METRIC_MAP.get(
+                sample.name.removesuffix("_total")
+            )
             if field is None:
                 continue
             label = sample.labels.get("rank", sample.labels.get("engine"))
@@ -101,7 +113,9 @@ def scrape_fleet(timeout: float = 5.0) -> int:
     with httpx.Client(timeout=timeout) as client:
         for worker in workers:
             try:
-                r = client.get(worker.url.rstrip("/") + "/metrics", headers=auth_headers(worker.api_key))
+                r = client.get(
+                    worker.url.rstrip("/") + "/metrics", headers=auth_headers(worker.api_key)
+                )
                 parsed = parse_engine_metrics(r.text) if r.status_code == 200 else None
             except (httpx.HTTPError, ValueError) as exc:
                 logger.debug("scraping %s failed: %s", worker.url, exc)
@@ -111,10 +125,20 @@ def scrape_fleet(timeout: float = 5.0) -> int:
                 if values is None:
                     last = RankSample.objects.filter(rank=rank).order_by("-at", "-id").first()
                     values = {name: getattr(last, name) for name in SAMPLE_FIELDS} if last else {}
-                    rows.append(RankSample(rank=rank, at=at, up=False, **{k: int(v) for k, v in values.items()}))
+                    rows.append(
+                        RankSample(
+                            rank=rank, at=at, up=False, **{k: int(v) for k, v in values.items()}
+                        )
+                    )
                 else:  # the engine answered; a rank process that died reports rank_up 0
-                    rows.append(RankSample(rank=rank, at=at, up=bool(values.get("rank_up", 1)),
-                                           **{k: int(values.get(k, 0)) for k in SAMPLE_FIELDS}))
+                    rows.append(
+                        RankSample(
+                            rank=rank,
+                            at=at,
+                            up=bool(values.get("rank_up", 1)),
+                            **{k: int(values.get(k, 0)) for k in SAMPLE_FIELDS},
+                        )
+                    )
     RankSample.objects.bulk_create(rows)
     notify_dashboard("scraped")
     return len(rows)
@@ -124,15 +148,20 @@ def prune(now=None) -> dict[str, int]:
     """Delete samples and worker events past their retention."""
     cp = settings.CONTROL_PLANE
     now = now or timezone.now()
-    samples, _ = RankSample.objects.filter(at__lt=now - timedelta(seconds=cp["SAMPLE_RETENTION_S"])).delete()
-    events, _ = WorkerEvent.objects.filter(at__lt=now - timedelta(seconds=cp["EVENT_RETENTION_S"])).delete()
+    samples, _ = RankSample.objects.filter(
+        at__lt=now - timedelta(seconds=cp["SAMPLE_RETENTION_S"])
+    ).delete()
+    events, _ = WorkerEvent.objects.filter(
+        at__lt=now - timedelta(seconds=cp["EVENT_RETENTION_S"])
+    ).delete()
     return {"samples": samples, "events": events}
 
 
 async def _fetch_all(workers: list[Worker], timeout: float) -> list:
     async with httpx.AsyncClient(timeout=timeout) as client:
-        return await asyncio.gather(*(fetch_server_info(client, w.url, w.api_key) for w in workers),
-                                    return_exceptions=True)
+        return await asyncio.gather(
+            *(fetch_server_info(client, w.url, w.api_key) for w in workers), return_exceptions=True
+        )
 
 
 def refresh_discovery(timeout: float = 10.0) -> dict[str, int]:
@@ -197,8 +226,12 @@ def run_bench(run_id: int) -> dict:
     try:
         keys = configured_keys("API_KEYS")
         worker = Worker.objects.exclude(server_info={}).order_by("id").first()
-        run.result = execute(run.base_url, run.params, api_key=keys[0] if keys else None,
-                             server_info=worker.server_info if worker else None)
+        run.result = execute(
+            run.base_url,
+            run.params,
+            api_key=keys[0] if keys else None,
+            server_info=worker.server_info if worker else None,
+        )
         run.status = BenchRun.Status.DONE
     except (Exception, SystemExit) as exc:  # the bench CLI exits on a bad target; a job must not
         logger.exception("bench run %s failed", run_id)

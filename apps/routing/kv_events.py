@@ -20,6 +20,7 @@ whose digests differ) stays in approximate mode. Readers reconnect with backoff,
 from a new snapshot when the engine restarts (its ``instance_id`` changes). The engine sends a
 keep-alive comment every 10 s, so a reader that hears nothing for ``READ_TIMEOUT_S`` reconnects.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -43,11 +44,15 @@ MAX_DEFER_S = 30.0  # a deferred removal is applied by then, whatever happened
 class KVEventsFeed:
     def __init__(self, router):
         self.router = router
-        self.readers: dict[int, tuple[tuple, asyncio.Task]] = {}  # worker id -> (what it follows, task)
+        self.readers: dict[
+            int, tuple[tuple, asyncio.Task]
+        ] = {}  # worker id -> (what it follows, task)
         self.connected: set[int] = set()
         self.applied = 0  # messages (snapshots and event batches) applied to the index
         self.followed: set[str] = set()  # target keys whose snapshot arrived
-        self.pending: dict[str, Counter] = {}  # target key -> digest -> routed requests not yet prefilled
+        self.pending: dict[
+            str, Counter
+        ] = {}  # target key -> digest -> routed requests not yet prefilled
         # (target key, digest) -> [when its removal arrived, when its last pending request was prefilled]
         self.deferred: dict[tuple[str, int], list] = {}
         self.clock = time.monotonic
@@ -79,8 +84,12 @@ class KVEventsFeed:
         """Apply the deferred removals that are due: the tail after their last pending request was
         prefilled is over (the engine did not store them again), or they waited ``MAX_DEFER_S``."""
         now = self.clock() if now is None else now
-        due = [item for item, (arrived, released) in self.deferred.items()
-               if (released is not None and now - released >= RELEASE_TAIL_S) or now - arrived >= MAX_DEFER_S]
+        due = [
+            item
+            for item, (arrived, released) in self.deferred.items()
+            if (released is not None and now - released >= RELEASE_TAIL_S)
+            or now - arrived >= MAX_DEFER_S
+        ]
         for key, digest in due:
             del self.deferred[(key, digest)]
             self.router.index.remove(key, [digest])
@@ -88,8 +97,11 @@ class KVEventsFeed:
 
     # ----- which workers to follow ---------------------------------------------------------------
     def wanted(self) -> dict[int, tuple]:
-        return {view.worker_id: (view.url, view.kv_events, view.api_key, view.instance_id)
-                for view in self.router.fleet.workers.values() if view.kv_events and view.dp_aware}
+        return {
+            view.worker_id: (view.url, view.kv_events, view.api_key, view.instance_id)
+            for view in self.router.fleet.workers.values()
+            if view.kv_events and view.dp_aware
+        }
 
     def reconcile(self) -> None:
         """Start a reader for each worker that offers events, stop the others (removed, changed,
@@ -102,7 +114,10 @@ class KVEventsFeed:
                 self.connected.discard(worker_id)
         for worker_id, spec in wanted.items():
             if worker_id not in self.readers:
-                self.readers[worker_id] = (spec, asyncio.ensure_future(self._follow(worker_id, spec)))
+                self.readers[worker_id] = (
+                    spec,
+                    asyncio.ensure_future(self._follow(worker_id, spec)),
+                )
 
     async def run(self) -> None:
         try:
@@ -121,7 +136,9 @@ class KVEventsFeed:
         while True:
             try:
                 await self._read(worker_id, url + path, api_key)
-                backoff = 0.5  # the engine ended the stream (this reader fell behind): start over now
+                backoff = (
+                    0.5  # the engine ended the stream (this reader fell behind): start over now
+                )
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # engine down or restarting: the health loop says so too
@@ -132,20 +149,24 @@ class KVEventsFeed:
 
     async def _read(self, worker_id: int, url: str, api_key: str) -> None:
         timeout = aiohttp.ClientTimeout(total=None, connect=5.0, sock_read=READ_TIMEOUT_S)
-        async with aiohttp.ClientSession(timeout=timeout) as session, \
-                session.get(url, headers=auth_headers(api_key)) as response:
+        async with (
+            aiohttp.ClientSession(timeout=timeout) as session,
+            session.get(url, headers=auth_headers(api_key)) as response,
+        ):
             if response.status != 200:
                 raise RuntimeError(f"{url} answered {response.status}")
             self.connected.add(worker_id)
             logger.info("following the KV events of %s", url)
             buffer = b""
-            async for chunk in response.content.iter_any():  # a snapshot can be longer than any line limit
+            async for (
+                chunk
+            ) in response.content.iter_any():  # a snapshot can be longer than any line limit
                 buffer += chunk
                 *events, buffer = buffer.split(b"\n\n")
                 for event in events:
                     for line in event.split(b"\n"):
                         if line.startswith(b"data: "):
-                            self.apply(worker_id, json.loads(line[len(b"data: "):]))
+                            self.apply(worker_id, json.loads(line[len(b"data: ") :]))
 
     def apply(self, worker_id: int, message: dict) -> bool:
         """Apply one message of a worker's stream to the index; False when it names no target here."""

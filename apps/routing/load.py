@@ -11,6 +11,7 @@ The policies read the totals (``inflight``, ``inflight_tokens``, ``queued_prefil
 ``active_sessions``, ``recent_requests``); the plain counters (``requests``, ``prompt_tokens``,
 ``pending_prefill_tokens``) stay this process's own, and only they are ever published.
 """
+
 from __future__ import annotations
 
 import math
@@ -24,6 +25,7 @@ SESSION_HALF_LIFE_S = 30.0  # chat think times are seconds to minutes
 @dataclass(frozen=True)
 class PeerLoad:
     """Another router process's own load on a target, as published, and when it arrived here."""
+
     requests: int
     prompt_tokens: int
     prefill_tokens: int
@@ -68,9 +70,18 @@ class RankLoad:
     def queued_prefill_tokens(self) -> int:
         return self.pending_prefill_tokens + self.peer_prefill_tokens
 
-    def set_peer(self, origin: str, requests: int, prompt_tokens: int, prefill_tokens: int,
-                 sessions: float = 0.0, recent: float = 0.0) -> None:
-        self.peers[origin] = PeerLoad(requests, prompt_tokens, prefill_tokens, sessions, recent, self.clock())
+    def set_peer(
+        self,
+        origin: str,
+        requests: int,
+        prompt_tokens: int,
+        prefill_tokens: int,
+        sessions: float = 0.0,
+        recent: float = 0.0,
+    ) -> None:
+        self.peers[origin] = PeerLoad(
+            requests, prompt_tokens, prefill_tokens, sessions, recent, self.clock()
+        )
         self._sum_peers()
 
     def drop_peer(self, origin: str) -> None:
@@ -86,7 +97,9 @@ class RankLoad:
     def _peers_decayed(self, field: str, half_life: float, now: float) -> float:
         if not self.peers:  # the usual case (one router process): no generator on the hot path
             return 0.0
-        return sum(getattr(p, field) * math.exp2(-(now - p.at) / half_life) for p in self.peers.values())
+        return sum(
+            getattr(p, field) * math.exp2(-(now - p.at) / half_life) for p in self.peers.values()
+        )
 
     def _decay(self, now: float) -> float:
         return math.exp2(-(now - self._recent_at) / RECENT_HALF_LIFE_S)
@@ -100,7 +113,9 @@ class RankLoad:
     def recent_requests(self, now: float | None = None) -> float:
         """Requests dispatched here lately (same decay): the session count, whatever their size."""
         now = self.clock() if now is None else now
-        return self.own_recent_requests(now) + self._peers_decayed("recent", RECENT_HALF_LIFE_S, now)
+        return self.own_recent_requests(now) + self._peers_decayed(
+            "recent", RECENT_HALF_LIFE_S, now
+        )
 
     def own_recent_requests(self, now: float | None = None) -> float:
         now = self.clock() if now is None else now
@@ -112,20 +127,27 @@ class RankLoad:
         ``continues_session``), decayed with a 30 s half-life. One-shot completions (however many)
         never count, so a burst of them does not make a rank look busy once it is over."""
         now = self.clock() if now is None else now
-        return self.own_active_sessions(now) + self._peers_decayed("sessions", SESSION_HALF_LIFE_S, now)
+        return self.own_active_sessions(now) + self._peers_decayed(
+            "sessions", SESSION_HALF_LIFE_S, now
+        )
 
     def own_active_sessions(self, now: float | None = None) -> float:
         now = self.clock() if now is None else now
         return self._sessions * math.exp2(-(now - self._sessions_at) / SESSION_HALF_LIFE_S)
 
-    def begin(self, prompt_tokens: int, prefill_tokens: int, continues_session: bool = False) -> LoadTicket:
+    def begin(
+        self, prompt_tokens: int, prefill_tokens: int, continues_session: bool = False
+    ) -> LoadTicket:
         self.requests += 1
         self.prompt_tokens += prompt_tokens
         self.pending_prefill_tokens += prefill_tokens
         self.dispatched += 1
         now = self.clock()
         decay = self._decay(now)
-        self._recent, self._recent_n = self._recent * decay + prompt_tokens, self._recent_n * decay + 1
+        self._recent, self._recent_n = (
+            self._recent * decay + prompt_tokens,
+            self._recent_n * decay + 1,
+        )
         self._recent_at = now
         if continues_session:
             self._sessions, self._sessions_at = self.own_active_sessions(now) + 1, now

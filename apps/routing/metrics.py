@@ -1,4 +1,5 @@
 """Prometheus text for the router's /metrics: per target (worker@rank) counters and gauges."""
+
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -9,7 +10,11 @@ PREFIX = "dpmesh_router"
 _TARGET_COUNTERS = [
     ("requests", "Requests dispatched to the target", "requests"),
     ("prompt_tokens", "Prompt tokens dispatched to the target", "prompt_tokens"),
-    ("predicted_cached_tokens", "Prompt tokens the router's prefix index expected to be cached", "predicted_tokens"),
+    (
+        "predicted_cached_tokens",
+        "Prompt tokens the router's prefix index expected to be cached",
+        "predicted_tokens",
+    ),
     ("reported_cached_tokens", "Prompt tokens the engine reported as cached", "cached_tokens"),
     ("errors", "Requests that failed on the target", "errors"),
     ("aborted", "Requests whose client went away before the answer ended", "aborted"),
@@ -34,72 +39,145 @@ class RouterCollector:
                 s = stats.get(t.key)
                 family.add_metric(label_values(t), getattr(s, attr) if s else 0)
             yield family
-        gauges = [("inflight_requests", "Requests in flight from this router process", lambda t: t.load.requests),
-                  ("inflight_prompt_tokens", "Prompt tokens in flight from this router process",
-                   lambda t: t.load.prompt_tokens),
-                  ("peer_inflight_requests", "Requests in flight from the other router processes (as they "
-                   "last published)", lambda t: t.load.peer_requests),
-                  ("pending_prefill_tokens", "Predicted uncached tokens not yet prefilled", lambda t: t.load.pending_prefill_tokens),
-                  ("target_up", "1 while the target can be chosen", lambda t: int(t.available)),
-                  ("index_blocks", "Digests the prefix index holds for the target", lambda t: self.router.index.size(t.key))]
+        gauges = [
+            (
+                "inflight_requests",
+                "Requests in flight from this router process",
+                lambda t: t.load.requests,
+            ),
+            (
+                "inflight_prompt_tokens",
+                "Prompt tokens in flight from this router process",
+                lambda t: t.load.prompt_tokens,
+            ),
+            (
+                "peer_inflight_requests",
+                "Requests in flight from the other router processes (as they last published)",
+                lambda t: t.load.peer_requests,
+            ),
+            (
+                "pending_prefill_tokens",
+                "Predicted uncached tokens not yet prefilled",
+                lambda t: t.load.pending_prefill_tokens,
+            ),
+            ("target_up", "1 while the target can be chosen", lambda t: int(t.available)),
+            (
+                "index_blocks",
+                "Digests the prefix index holds for the target",
+                lambda t: self.router.index.size(t.key),
+            ),
+        ]
         for name, help_text, read in gauges:
             family = GaugeMetricFamily(f"{PREFIX}_{name}", help_text, labels=labels)
             for t in targets:
                 family.add_metric(label_values(t), read(t))
             yield family
         for name, help_text, read in [
-                ("worker_healthy", "1 while the worker passes its health checks", lambda t: int(t.worker.healthy)),
-                ("worker_draining", "1 while the worker is drained (no new requests)", lambda t: int(t.worker.draining)),
-                ("circuit_open", "1 while the target's circuit breaker refuses requests",
-                 lambda t: int(t.breaker.state == "open"))]:
+            (
+                "worker_healthy",
+                "1 while the worker passes its health checks",
+                lambda t: int(t.worker.healthy),
+            ),
+            (
+                "worker_draining",
+                "1 while the worker is drained (no new requests)",
+                lambda t: int(t.worker.draining),
+            ),
+            (
+                "circuit_open",
+                "1 while the target's circuit breaker refuses requests",
+                lambda t: int(t.breaker.state == "open"),
+            ),
+        ]:
             family = GaugeMetricFamily(f"{PREFIX}_{name}", help_text, labels=labels)
             for t in targets:
                 family.add_metric(label_values(t), read(t))
             yield family
         stats_ = self.router.stats
-        family = CounterMetricFamily(f"{PREFIX}_http_responses", "OpenAI answers sent, by endpoint and status",
-                                     labels=["endpoint", "status"])
+        family = CounterMetricFamily(
+            f"{PREFIX}_http_responses",
+            "OpenAI answers sent, by endpoint and status",
+            labels=["endpoint", "status"],
+        )
         for (endpoint, status), count in sorted(stats_.responses.items()):
             family.add_metric([endpoint, str(status)], count)
         yield family
         for name, help_text, hist in [
-                ("request_duration_seconds", "Routed requests: dispatch to the end of the upstream answer",
-                 stats_.latency),
-                ("time_to_first_token_seconds", "Streamed requests: dispatch to the first token", stats_.ttft)]:
+            (
+                "request_duration_seconds",
+                "Routed requests: dispatch to the end of the upstream answer",
+                stats_.latency,
+            ),
+            (
+                "time_to_first_token_seconds",
+                "Streamed requests: dispatch to the first token",
+                stats_.ttft,
+            ),
+        ]:
             family = HistogramMetricFamily(f"{PREFIX}_{name}", help_text)
             family.add_metric([], hist.cumulative(), sum_value=hist.sum)
             yield family
         yield _policy_info(self.router)
         sync = self.router.index_sync
         if sync is not None:
-            yield CounterMetricFamily(f"{PREFIX}_index_sync_published", "Prefix-index inserts published to the "
-                                      "other router processes", value=sync.published)
-            yield CounterMetricFamily(f"{PREFIX}_index_sync_applied", "Prefix-index inserts received from the "
-                                      "other router processes and applied here", value=sync.applied)
-            yield CounterMetricFamily(f"{PREFIX}_load_sync_published", "Load snapshots published to the other "
-                                      "router processes", value=sync.load_published)
-            yield CounterMetricFamily(f"{PREFIX}_load_sync_applied", "Load snapshots received from the other "
-                                      "router processes", value=sync.load_applied)
-            yield GaugeMetricFamily(f"{PREFIX}_peers", "Other router processes whose load counts here",
-                                    value=len(sync.peer_seen))
+            yield CounterMetricFamily(
+                f"{PREFIX}_index_sync_published",
+                "Prefix-index inserts published to the other router processes",
+                value=sync.published,
+            )
+            yield CounterMetricFamily(
+                f"{PREFIX}_index_sync_applied",
+                "Prefix-index inserts received from the other router processes and applied here",
+                value=sync.applied,
+            )
+            yield CounterMetricFamily(
+                f"{PREFIX}_load_sync_published",
+                "Load snapshots published to the other router processes",
+                value=sync.load_published,
+            )
+            yield CounterMetricFamily(
+                f"{PREFIX}_load_sync_applied",
+                "Load snapshots received from the other router processes",
+                value=sync.load_applied,
+            )
+            yield GaugeMetricFamily(
+                f"{PREFIX}_peers",
+                "Other router processes whose load counts here",
+                value=len(sync.peer_seen),
+            )
         feed = self.router.kv_feed
         if feed is not None:
-            yield CounterMetricFamily(f"{PREFIX}_kv_events_applied", "KV event messages (snapshots and batches) "
-                                      "from engines applied to the prefix index", value=feed.applied)
-            family = GaugeMetricFamily(f"{PREFIX}_kv_events_connected", "1 while the router follows the worker's "
-                                       "KV events", labels=["worker"])
+            yield CounterMetricFamily(
+                f"{PREFIX}_kv_events_applied",
+                "KV event messages (snapshots and batches) "
+                "from engines applied to the prefix index",
+                value=feed.applied,
+            )
+            family = GaugeMetricFamily(
+                f"{PREFIX}_kv_events_connected",
+                "1 while the router follows the worker's KV events",
+                labels=["worker"],
+            )
             for view in self.router.fleet.workers.values():
                 if view.kv_events:
                     family.add_metric([view.url], int(view.worker_id in feed.connected))
             yield family
-        yield CounterMetricFamily(f"{PREFIX}_retries", "Upstream attempts retried on another target",
-                                  value=self.router.stats.retries)
-        yield CounterMetricFamily(f"{PREFIX}_no_target", "Requests refused because no target was available",
-                                  value=self.router.stats.no_target)
+        yield CounterMetricFamily(
+            f"{PREFIX}_retries",
+            "Upstream attempts retried on another target",
+            value=self.router.stats.retries,
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}_no_target",
+            "Requests refused because no target was available",
+            value=self.router.stats.no_target,
+        )
 
 
 def _policy_info(router) -> GaugeMetricFamily:
-    family = GaugeMetricFamily(f"{PREFIX}_policy_info", "The active routing policy (value 1)", labels=["policy"])
+    family = GaugeMetricFamily(
+        f"{PREFIX}_policy_info", "The active routing policy (value 1)", labels=["policy"]
+    )
     family.add_metric([router.config.policy], 1)
     return family
 

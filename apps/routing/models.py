@@ -1,4 +1,5 @@
 """The routing app's durable state: the active policy (switchable at runtime) and benchmark runs."""
+
 from django.conf import settings
 from django.db import models
 
@@ -20,7 +21,9 @@ class RoutingSettings(models.Model):
 
     @classmethod
     def load(cls) -> "RoutingSettings":
-        row, _ = cls.objects.get_or_create(id=1, defaults={"policy": settings.CONTROL_PLANE["POLICY"]})
+        row, _ = cls.objects.get_or_create(
+            id=1, defaults={"policy": settings.CONTROL_PLANE["POLICY"]}
+        )
         return row
 
 

@@ -6,6 +6,7 @@ each persists what it counted *since its last write* as an increment (``F(field)
 never an absolute value that would overwrite the others'. A process starts its counters from the
 rows (``restore_stats``), and that starting point is its first baseline.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -33,7 +34,10 @@ def counters(stats: TargetStats | None) -> dict[str, int]:
 
 def unpersisted(router, key: str) -> dict[str, int]:
     """What this process counted for ``key`` that is not in the database yet."""
-    now, base = counters(router.stats.targets.get(key)), router.persisted.get(key) or dict.fromkeys(FIELDS, 0)
+    now, base = (
+        counters(router.stats.targets.get(key)),
+        router.persisted.get(key) or dict.fromkeys(FIELDS, 0),
+    )
     return {name: now[name] - base[name] for name in FIELDS}
 
 
@@ -50,8 +54,10 @@ async def restore_stats(router) -> None:
 def _write(rows: dict[int, tuple[dict, str]]) -> None:
     with transaction.atomic():
         for rank_id, (delta, circuit) in rows.items():
-            Rank.objects.filter(id=rank_id).update(circuit_state=circuit,
-                                                   **{name: F(name) + value for name, value in delta.items() if value})
+            Rank.objects.filter(id=rank_id).update(
+                circuit_state=circuit,
+                **{name: F(name) + value for name, value in delta.items() if value},
+            )
 
 
 async def persist_stats(router) -> None:
@@ -63,7 +69,9 @@ async def persist_stats(router) -> None:
         snapshots[target.key] = counters(router.stats.targets.get(target.key))
     if rows:
         await sync_to_async(_write)(rows)
-        router.persisted.update(snapshots)  # only once written: a failed write is retried next round
+        router.persisted.update(
+            snapshots
+        )  # only once written: a failed write is retried next round
 
 
 async def stats_loop(router) -> None:

@@ -3,6 +3,7 @@ pick one. ``choose`` has no side effects; the router commits the choice (load, i
 
 Load is read as totals (``RankLoad.inflight`` and friends): this process's own plus what the
 other router processes last published, so several routers balance one fleet together."""
+
 from __future__ import annotations
 
 import abc
@@ -20,8 +21,13 @@ class Policy(abc.ABC):
         self.rng = rng or random.Random()
 
     @abc.abstractmethod
-    def choose(self, targets: list[Target], shape: RequestShape, matched: dict[str, int],
-               shared_blocks: int = 0) -> Target:
+    def choose(
+        self,
+        targets: list[Target],
+        shape: RequestShape,
+        matched: dict[str, int],
+        shared_blocks: int = 0,
+    ) -> Target:
         """Pick one of ``targets`` (non-empty). ``matched`` maps target keys to the leading
         blocks of the request the index believes they hold; the first ``shared_blocks`` of the
         request are a prefix many requests share."""
@@ -87,17 +93,33 @@ class CacheAware(Policy):
 
     name = "cache_aware"
 
-    def __init__(self, rng=None, decode_weight: float = 16.0, stickiness: float = 3.0,
-                 balance_weight: float = 512.0, slack: float = 32.0, new_session_slack: float = 256.0):
+    def __init__(
+        self,
+        rng=None,
+        decode_weight: float = 16.0,
+        stickiness: float = 3.0,
+        balance_weight: float = 512.0,
+        slack: float = 32.0,
+        new_session_slack: float = 256.0,
+    ):
         super().__init__(rng)
-        self.decode_weight, self.stickiness, self.balance_weight = decode_weight, stickiness, balance_weight
+        self.decode_weight, self.stickiness, self.balance_weight = (
+            decode_weight,
+            stickiness,
+            balance_weight,
+        )
         self.slack, self.new_session_slack = slack, new_session_slack
 
     def matched_tokens(self, target: Target, shape: RequestShape, matched: dict[str, int]) -> int:
         return min(matched.get(target.key, 0), shape.hittable_blocks) * shape.block_tokens
 
-    def costs(self, targets: list[Target], shape: RequestShape, matched: dict[str, int],
-              shared_blocks: int = 0) -> list[float]:
+    def costs(
+        self,
+        targets: list[Target],
+        shape: RequestShape,
+        matched: dict[str, int],
+        shared_blocks: int = 0,
+    ) -> list[float]:
         hits = [self.matched_tokens(t, shape, matched) for t in targets]
         best_match, shared = max(hits), shared_blocks * shape.block_tokens
         inflight = [t.load.inflight for t in targets]
@@ -110,23 +132,39 @@ class CacheAware(Policy):
         for t, hit, n, live in zip(targets, hits, inflight, sessions):
             stranded = max(0, best_match - max(hit, shared))
             # now (requests in flight) and the near future (sessions that keep coming back here)
-            excess = ((n / mean_inflight - 1 if mean_inflight > 0 else 0.0)
-                      + (live / mean_sessions - 1 if mean_sessions > 0 else 0.0)) / 2
-            out.append(shape.prompt_tokens - hit + t.load.queued_prefill_tokens
-                       + self.decode_weight * n + self.stickiness * stranded
-                       + self.balance_weight * pressure * excess)
+            excess = (
+                (n / mean_inflight - 1 if mean_inflight > 0 else 0.0)
+                + (live / mean_sessions - 1 if mean_sessions > 0 else 0.0)
+            ) / 2
+            out.append(
+                shape.prompt_tokens
+                - hit
+                + t.load.queued_prefill_tokens
+                + self.decode_weight * n
+                + self.stickiness * stranded
+                + self.balance_weight * pressure * excess
+            )
         return out
 
     def choose(self, targets, shape, matched, shared_blocks=0):
         costs = self.costs(targets, shape, matched, shared_blocks)
         best = min(costs)
-        private = max(self.matched_tokens(t, shape, matched) for t in targets) > shared_blocks * shape.block_tokens
+        private = (
+            max(self.matched_tokens(t, shape, matched) for t in targets)
+            > shared_blocks * shape.block_tokens
+        )
         # A request with no private history anywhere starts a session: where it lands is where its
         # later turns go, so among targets nearly as cheap now, the least loaded lately wins.
         slack = self.slack if private else self.new_session_slack
         near = [t for c, t in zip(costs, targets) if c <= best + slack]
-        return min(near, key=lambda t: (t.load.active_sessions() + t.load.inflight, t.load.recent_requests(),
-                                        self.rng.random()))
+        return min(
+            near,
+            key=lambda t: (
+                t.load.active_sessions() + t.load.inflight,
+                t.load.recent_requests(),
+                self.rng.random(),
+            ),
+        )
 
 
 POLICIES = {cls.name: cls for cls in (RoundRobin, Random, PowerOfTwo, CacheAware)}

@@ -7,6 +7,7 @@ relayed event by event as it arrives; if the client did not ask for usage, the u
 router asked for (to learn the engine's cached tokens) is dropped on the way. Every path ends the
 request's load exactly once: finish, upstream error, timeout, client disconnect.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -28,15 +29,29 @@ RETRYABLE = {408, 429, 500, 502, 503, 504}
 class ProxyError(Exception):
     """An error answer for the client; ``raw`` is an upstream's own error body, passed on as is."""
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", raw: bytes | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        raw: bytes | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.raw = status, message, type, raw
 
     def body(self) -> bytes:
         if self.raw is not None:
             return self.raw
-        return json.dumps({"error": {"message": self.message, "type": self.type, "param": None,
-                                     "code": self.status}}).encode()
+        return json.dumps(
+            {
+                "error": {
+                    "message": self.message,
+                    "type": self.type,
+                    "param": None,
+                    "code": self.status,
+                }
+            }
+        ).encode()
 
 
 class Upstream:
@@ -95,10 +110,15 @@ class ProxyClient:
     def get(self, config) -> aiohttp.ClientSession:
         loop = asyncio.get_running_loop()
         if self.session is None or self.loop is not loop:
-            timeout = aiohttp.ClientTimeout(total=None, sock_connect=config.connect_timeout_s,
-                                            sock_read=config.request_timeout_s)
+            timeout = aiohttp.ClientTimeout(
+                total=None,
+                sock_connect=config.connect_timeout_s,
+                sock_read=config.request_timeout_s,
+            )
             connector = aiohttp.TCPConnector(limit=4096, limit_per_host=0, ttl_dns_cache=300)
-            self.session = aiohttp.ClientSession(timeout=timeout, connector=connector, auto_decompress=False)
+            self.session = aiohttp.ClientSession(
+                timeout=timeout, connector=connector, auto_decompress=False
+            )
             self.loop = loop
         return self.session
 
@@ -126,8 +146,9 @@ def upstream_payload(body: dict, routed: Routed, stream: bool) -> bytes:
     return json.dumps(payload).encode()
 
 
-async def open_upstream(router: Router, body: dict, *, chat: bool, path: str,
-                        stream: bool) -> tuple[Routed, ProxyResponse]:
+async def open_upstream(
+    router: Router, body: dict, *, chat: bool, path: str, stream: bool
+) -> tuple[Routed, ProxyResponse]:
     """Send the request to a chosen target, retrying elsewhere while nothing reached the client.
     Returns the routed request and the open response (a 2xx, or the last error to pass on)."""
     config = router.config
@@ -144,16 +165,23 @@ async def open_upstream(router: Router, body: dict, *, chat: bool, path: str,
         worker = routed.target.worker
         headers = {"content-type": "application/json", **auth_headers(worker.api_key)}
         try:
-            response = await proxy_client.post(config, worker.url + path, upstream_payload(body, routed, stream),
-                                               headers)
+            response = await proxy_client.post(
+                config, worker.url + path, upstream_payload(body, routed, stream), headers
+            )
         except aiohttp.ConnectionTimeoutError as exc:
-            last = ProxyError(504, f"upstream {routed.target.key} timed out connecting: {exc!r}", "server_error")
-        except (aiohttp.SocketTimeoutError, asyncio.TimeoutError) as exc:
+            last = ProxyError(
+                504, f"upstream {routed.target.key} timed out connecting: {exc!r}", "server_error"
+            )
+        except (TimeoutError, aiohttp.SocketTimeoutError) as exc:
             # The request reached the engine and may be generating: retrying would run it twice.
             router.finish(routed, ok=False)
-            raise ProxyError(504, f"upstream {routed.target.key} timed out: {exc!r}", "server_error") from exc
+            raise ProxyError(
+                504, f"upstream {routed.target.key} timed out: {exc!r}", "server_error"
+            ) from exc
         except aiohttp.ClientError as exc:
-            last = ProxyError(502, f"upstream {routed.target.key} unreachable: {exc!r}", "server_error")
+            last = ProxyError(
+                502, f"upstream {routed.target.key} unreachable: {exc!r}", "server_error"
+            )
         except BaseException as exc:  # the client left (cancelled) or worse
             router.finish(routed, ok=False, aborted=isinstance(exc, asyncio.CancelledError))
             raise
@@ -164,13 +192,17 @@ async def open_upstream(router: Router, body: dict, *, chat: bool, path: str,
                 raw = await response.aread()
             finally:
                 await response.aclose()
-            last = ProxyError(response.status_code, f"upstream {routed.target.key} answered {response.status_code}",
-                              "server_error", raw=raw or None)
+            last = ProxyError(
+                response.status_code,
+                f"upstream {routed.target.key} answered {response.status_code}",
+                "server_error",
+                raw=raw or None,
+            )
         routed.target.breaker.record_failure()
         router.finish(routed, ok=False)
         router.stats.retries += 1
         logger.warning("retrying after %s (attempt %d)", last.message, attempt + 1)
-        await asyncio.sleep(config.retry_backoff_s * (1.5 ** attempt) * (1 + 0.2 * random.random()))
+        await asyncio.sleep(config.retry_backoff_s * (1.5**attempt) * (1 + 0.2 * random.random()))
     raise last
 
 
@@ -179,7 +211,7 @@ def usage_of(event: bytes) -> dict | None:
     if b'"usage"' not in event:
         return None
     try:
-        data = json.loads(event[event.index(b"{"):])
+        data = json.loads(event[event.index(b"{") :])
     except ValueError:
         return None
     return data.get("usage") if isinstance(data, dict) else None
@@ -187,7 +219,7 @@ def usage_of(event: bytes) -> dict | None:
 
 def is_usage_only(event: bytes) -> bool:
     try:
-        data = json.loads(event[event.index(b"{"):])
+        data = json.loads(event[event.index(b"{") :])
     except ValueError:
         return False
     return isinstance(data, dict) and data.get("usage") is not None and not data.get("choices")
@@ -214,8 +246,10 @@ async def relay(router: Router, routed: Routed, response: ProxyResponse, client_
         if buffer:
             yield buffer
         ok = True
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-        error = ProxyError(502, f"upstream {routed.target.key} failed mid-stream: {exc!r}", "server_error")
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        error = ProxyError(
+            502, f"upstream {routed.target.key} failed mid-stream: {exc!r}", "server_error"
+        )
         yield b"data: " + error.body() + b"\n\ndata: [DONE]\n\n"
     except (asyncio.CancelledError, GeneratorExit):  # the client left mid-stream
         aborted = True

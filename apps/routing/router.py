@@ -3,6 +3,7 @@
 One ``Router`` per process, created by ``runrouter`` / ``serve`` (``configure``) or lazily with
 the settings' defaults; tests build their own and install it with ``set_router``.
 """
+
 from __future__ import annotations
 
 import logging
@@ -46,13 +47,16 @@ class RouterConfig:
     stats_persist_interval_s: float = 5.0
 
     @classmethod
-    def from_settings(cls, **overrides) -> "RouterConfig":
+    def from_settings(cls, **overrides) -> RouterConfig:
         cp = settings.CONTROL_PLANE
-        base = cls(policy=cp.get("POLICY", "cache_aware"), cache_threshold=cp.get("CACHE_THRESHOLD", 0.3),
-                   balance_abs_threshold=cp.get("BALANCE_ABS_THRESHOLD", 64),
-                   balance_rel_threshold=cp.get("BALANCE_REL_THRESHOLD", 1.5),
-                   health_check_interval_s=cp.get("HEALTH_CHECK_INTERVAL_S", 10.0),
-                   request_timeout_s=cp.get("REQUEST_TIMEOUT_S", 600.0))
+        base = cls(
+            policy=cp.get("POLICY", "cache_aware"),
+            cache_threshold=cp.get("CACHE_THRESHOLD", 0.3),
+            balance_abs_threshold=cp.get("BALANCE_ABS_THRESHOLD", 64),
+            balance_rel_threshold=cp.get("BALANCE_REL_THRESHOLD", 1.5),
+            health_check_interval_s=cp.get("HEALTH_CHECK_INTERVAL_S", 10.0),
+            request_timeout_s=cp.get("REQUEST_TIMEOUT_S", 600.0),
+        )
         for key, value in overrides.items():
             if value is not None:
                 setattr(base, key, value)
@@ -62,6 +66,7 @@ class RouterConfig:
 @dataclass
 class Routed:
     """A dispatched request: where it went, what the index predicted, and its load ticket."""
+
     target: Target
     shape: RequestShape
     predicted_tokens: int
@@ -81,12 +86,20 @@ class Router:
         self.index = PrefixIndex(ttl_s=self.config.prefix_ttl_s)
         self.stats = RouterStats()
         self.policy: Policy = self._make_policy(self.config.policy)
-        self.db_fingerprints: dict[int, tuple] = {}  # worker id -> what was installed (background.sync_fleet)
+        self.db_fingerprints: dict[
+            int, tuple
+        ] = {}  # worker id -> what was installed (background.sync_fleet)
         self.index_listeners: list = []  # called with (target key, digests) after each routed insert
-        self.index_sync = None  # apps.routing.shared_index.IndexSync when several processes share (REDIS_URL)
-        self.kv_feed = None  # apps.routing.kv_events.KVEventsFeed: engines' KV events into the index
+        self.index_sync = (
+            None  # apps.routing.shared_index.IndexSync when several processes share (REDIS_URL)
+        )
+        self.kv_feed = (
+            None  # apps.routing.kv_events.KVEventsFeed: engines' KV events into the index
+        )
         self.background_tasks: list = []  # the process's loops (apps/replicas/serving.py startup)
-        self.persisted: dict[str, dict[str, int]] = {}  # target key -> counters in the database (persist.py)
+        self.persisted: dict[
+            str, dict[str, int]
+        ] = {}  # target key -> counters in the database (persist.py)
         # True from process start until startup() has restored the fleet, added the given workers and
         # adopted the recorded policy (apps/replicas/serving.py): /health answers 503 meanwhile
         self.starting = False
@@ -108,27 +121,38 @@ class Router:
         for target in self.fleet.all_targets():
             self.index.set_capacity(target.key, target.worker.capacity_blocks)
 
-    def route(self, body: dict, chat: bool, model: str | None, exclude: set[str] = frozenset()) -> Routed:
+    def route(
+        self, body: dict, chat: bool, model: str | None, exclude: set[str] = frozenset()
+    ) -> Routed:
         """Choose a target and commit: begin its load, and insert the request's blocks into the
         index for it (the engine caches them as it prefills)."""
         candidates = [t for t in self.fleet.candidates(model) if t.key not in exclude]
         if not candidates and model and len(self.fleet.models()) == 1:
             candidates = [t for t in self.fleet.candidates(None) if t.key not in exclude]
         if not candidates:
-            raise NoTarget(f"no available worker serves model {model!r}" if model else "no available worker")
+            raise NoTarget(
+                f"no available worker serves model {model!r}" if model else "no available worker"
+            )
         shapes, matched, shared = self._match(body, chat, candidates)
         primary = shapes[candidates[0].key]
         target = self.policy.choose(candidates, primary, matched, shared)
         shape = shapes[target.key]
-        predicted = min(matched.get(target.key, 0) * primary.block_tokens // shape.block_tokens,
-                        shape.hittable_blocks) * shape.block_tokens
+        predicted = (
+            min(
+                matched.get(target.key, 0) * primary.block_tokens // shape.block_tokens,
+                shape.hittable_blocks,
+            )
+            * shape.block_tokens
+        )
         # A session's turn: its private history is already there (it continues), or a chat request
         # with none anywhere (a conversation starts here and its next turns will follow). Counting
         # starts at once matters: a burst of new conversations is placed before any of them has a
         # second turn, and placing them by in-flight requests alone lets the rank that answers
         # fastest collect more conversations than the others.
         continues = matched.get(target.key, 0) > shared
-        ticket = target.load.begin(shape.prompt_tokens, shape.prompt_tokens - predicted, continues or chat)
+        ticket = target.load.begin(
+            shape.prompt_tokens, shape.prompt_tokens - predicted, continues or chat
+        )
         self.index.insert(target.key, shape.digests)
         for listener in self.index_listeners:
             listener(target.key, shape.digests)
@@ -151,13 +175,19 @@ class Router:
                 shapes[t.key] = shape
             for key, blocks in self.index.match(shape.digests, [t.key for t in members]).items():
                 matched[key] = min(blocks, shape.hittable_blocks) * shape.block_tokens // unit
-            shared = max(shared, self.index.shared_blocks(shape.digests) * shape.block_tokens // unit)
+            shared = max(
+                shared, self.index.shared_blocks(shape.digests) * shape.block_tokens // unit
+            )
         return shapes, matched, shared
 
     def _shape(self, body: dict, chat: bool, target: Target) -> RequestShape:
         worker = target.worker
-        return shape_request(body, chat, self.config.tokenizer_path or worker.tokenizer_path,
-                             worker.block_size or (16 if self.config.tokenizer_path else None))
+        return shape_request(
+            body,
+            chat,
+            self.config.tokenizer_path or worker.tokenizer_path,
+            worker.block_size or (16 if self.config.tokenizer_path else None),
+        )
 
     def _prefilled(self, routed: Routed) -> None:
         """The engine has computed (or given up on) the request's prompt: tell the KV-event
@@ -174,7 +204,9 @@ class Router:
             routed.first_token_seen = True
             self.stats.ttft.observe(time.perf_counter() - routed.started)
 
-    def finish(self, routed: Routed, *, ok: bool, usage: dict | None = None, aborted: bool = False) -> None:
+    def finish(
+        self, routed: Routed, *, ok: bool, usage: dict | None = None, aborted: bool = False
+    ) -> None:
         """End the request's load (idempotent) and record what the engine reported; ``aborted``:
         the client left first (counted apart from the target's errors)."""
         if routed.finished:
@@ -191,7 +223,9 @@ class Router:
         if usage:
             details = usage.get("prompt_tokens_details") or {}
             cached = details.get("cached_tokens")
-        self.stats.finished(routed.target.key, ok=ok, cached_tokens=cached, aborted=aborted and not ok)
+        self.stats.finished(
+            routed.target.key, ok=ok, cached_tokens=cached, aborted=aborted and not ok
+        )
 
 
 _router: Router | None = None

@@ -1,4 +1,5 @@
 """Websocket routes, mounted by ``controlplane.asgi`` behind origin and auth checks."""
+
 from django.urls import path
 
 from apps.routing.consumers import DashboardConsumer

@@ -17,6 +17,7 @@ Publishing never blocks routing: inserts go into a bounded queue that a backgrou
 when Redis is slow or away the queue drops the oldest entries (an index is a hint), load snapshots
 are simply sent again next tick, and the subscriber reconnects with backoff.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -44,7 +45,9 @@ class IndexSync:
         self.wakeup = asyncio.Event()
         self.published = self.applied = 0
         self.load_published = self.load_applied = 0
-        self.peer_seen: dict[str, float] = {}  # other process -> when its last load snapshot arrived
+        self.peer_seen: dict[
+            str, float
+        ] = {}  # other process -> when its last load snapshot arrived
 
     # ----- the hot path's side: never awaits -------------------------------------------------------
     def on_insert(self, key: str, digests: list[int]) -> None:
@@ -55,11 +58,15 @@ class IndexSync:
     # ----- background tasks ------------------------------------------------------------------------
     def start(self) -> list[asyncio.Task]:
         self.router.index_listeners.append(self.on_insert)
-        return [asyncio.ensure_future(self._publish_loop()), asyncio.ensure_future(self._subscribe_loop()),
-                asyncio.ensure_future(self._load_loop())]
+        return [
+            asyncio.ensure_future(self._publish_loop()),
+            asyncio.ensure_future(self._subscribe_loop()),
+            asyncio.ensure_future(self._load_loop()),
+        ]
 
     async def _client(self):
         import redis.asyncio as redis
+
         return redis.Redis.from_url(self.redis_url)
 
     async def _publish_loop(self) -> None:
@@ -86,9 +93,20 @@ class IndexSync:
         for t in self.router.fleet.all_targets():
             load = t.load
             sessions, recent = load.own_active_sessions(now), load.own_recent_requests(now)
-            if load.requests or load.prompt_tokens or load.pending_prefill_tokens or sessions > 0.01 or recent > 0.01:
-                out[t.key] = [load.requests, load.prompt_tokens, load.pending_prefill_tokens,
-                              round(sessions, 3), round(recent, 3)]
+            if (
+                load.requests
+                or load.prompt_tokens
+                or load.pending_prefill_tokens
+                or sessions > 0.01
+                or recent > 0.01
+            ):
+                out[t.key] = [
+                    load.requests,
+                    load.prompt_tokens,
+                    load.pending_prefill_tokens,
+                    round(sessions, 3),
+                    round(recent, 3),
+                ]
         return out
 
     async def _load_loop(self) -> None:
@@ -103,7 +121,9 @@ class IndexSync:
             if counts == last and now - last_at < LOAD_HEARTBEAT_S:
                 continue
             try:
-                await client.publish(self.channel, json.dumps({"from": self.origin, "load": snapshot}))
+                await client.publish(
+                    self.channel, json.dumps({"from": self.origin, "load": snapshot})
+                )
                 last, last_at = counts, now
                 self.load_published += 1
             except asyncio.CancelledError:
@@ -117,8 +137,12 @@ class IndexSync:
         ``LOAD_TTL_S`` (called on shutdown; a process that dies without it is expired)."""
         try:
             client = await self._client()
-            await asyncio.wait_for(client.publish(self.channel, json.dumps({"from": self.origin, "load": {},
-                                                                            "bye": True})), timeout)
+            await asyncio.wait_for(
+                client.publish(
+                    self.channel, json.dumps({"from": self.origin, "load": {}, "bye": True})
+                ),
+                timeout,
+            )
         except Exception as exc:  # Redis away: the others expire this process's load
             logger.warning("could not say goodbye to the other router processes: %s", exc)
 
@@ -166,8 +190,13 @@ class IndexSync:
         known = {t.key for t in self.router.fleet.all_targets()}  # not yet installed here: skipped
         applied = 0
         for item in message.get("inserts") or ():
-            if (isinstance(item, list) and len(item) == 2 and item[0] in known and isinstance(item[1], list)
-                    and all(isinstance(d, int) for d in item[1])):
+            if (
+                isinstance(item, list)
+                and len(item) == 2
+                and item[0] in known
+                and isinstance(item[1], list)
+                and all(isinstance(d, int) for d in item[1])
+            ):
                 self.router.index.insert(item[0], item[1])
                 applied += 1
         self.applied += applied
@@ -181,10 +210,15 @@ class IndexSync:
         applied = 0
         for t in self.router.fleet.all_targets():
             values = snapshot.get(t.key)
-            if (isinstance(values, list) and len(values) == 5
-                    and all(isinstance(v, (int, float)) and v >= 0 for v in values)):
+            if (
+                isinstance(values, list)
+                and len(values) == 5
+                and all(isinstance(v, (int, float)) and v >= 0 for v in values)
+            ):
                 requests, tokens, prefill, sessions, recent = values
-                t.load.set_peer(origin, int(requests), int(tokens), int(prefill), float(sessions), float(recent))
+                t.load.set_peer(
+                    origin, int(requests), int(tokens), int(prefill), float(sessions), float(recent)
+                )
                 applied += 1
             else:
                 t.load.drop_peer(origin)

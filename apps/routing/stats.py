@@ -1,4 +1,5 @@
 """Per-target routing statistics, kept in memory on the hot path and persisted periodically."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
@@ -22,7 +23,23 @@ class TargetStats:
 class Histogram:
     """Cumulative-bucket histogram in Prometheus' shape (seconds)."""
 
-    BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+    BUCKETS = (
+        0.005,
+        0.01,
+        0.025,
+        0.05,
+        0.1,
+        0.25,
+        0.5,
+        1.0,
+        2.5,
+        5.0,
+        10.0,
+        30.0,
+        60.0,
+        120.0,
+        300.0,
+    )
 
     def __init__(self, buckets: tuple[float, ...] = BUCKETS):
         self.buckets = buckets
@@ -73,7 +90,9 @@ class RouterStats:
         s.prompt_tokens += prompt_tokens
         s.predicted_tokens += predicted_tokens
 
-    def finished(self, key: str, *, ok: bool, cached_tokens: int | None, aborted: bool = False) -> None:
+    def finished(
+        self, key: str, *, ok: bool, cached_tokens: int | None, aborted: bool = False
+    ) -> None:
         s = self._get(key)
         if aborted:
             s.aborted += 1

@@ -7,6 +7,7 @@ With ``REDIS_URL`` set, run a worker and beat next to the router(s):
 Beat's schedule (``controlplane/celery.py``) comes from the CONTROL_PLANE intervals. Without
 ``REDIS_URL`` the router process runs the same jobs itself (``apps/routing/background.py``).
 """
+
 from celery import shared_task
 
 from apps.routing import jobs

@@ -1,5 +1,6 @@
 """The router's Django surface: models, health, metrics, the dashboard, the workers API (the
 OpenAI proxy paths are served before Django, by apps/routing/fastpath.py)."""
+
 from django.urls import include, path
 from django.views.generic import RedirectView
 

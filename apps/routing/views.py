@@ -3,6 +3,7 @@ is a plain ASGI app in front of Django: apps/routing/fastpath.py.
 
 ``/v1/models`` needs an API key when some are configured (apps/replicas/auth.py); ``/health`` and
 ``/metrics`` are always open."""
+
 from __future__ import annotations
 
 from django.http import HttpResponse, JsonResponse
@@ -26,8 +27,12 @@ async def health(request):
     if router.starting:  # not yet the fleet and policy it will serve with
         return JsonResponse({"status": "starting", "targets": available}, status=503)
     status = 200 if available else 503
-    return JsonResponse({"status": "ok" if available else "unavailable", "targets": available}, status=status)
+    return JsonResponse(
+        {"status": "ok" if available else "unavailable", "targets": available}, status=status
+    )
 
 
 async def metrics(request):
-    return HttpResponse(render_metrics(get_router()), content_type="text/plain; version=0.0.4; charset=utf-8")
+    return HttpResponse(
+        render_metrics(get_router()), content_type="text/plain; version=0.0.4; charset=utf-8"
+    )

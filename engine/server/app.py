@@ -3,6 +3,7 @@
 A plain ASGI callable (no framework) served by daphne: the hot path is parse → choose rank →
 relay outputs, and each streamed token leaves as its own SSE event.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -13,15 +14,24 @@ import time
 import uuid
 
 from engine.server import openai_api as api
-from engine.server.asgi import (BodyTooLarge, ClientGone, end_body, lifespan, read_body, send_body, send_chunk,
-                                send_json, start_sse, until_disconnect)
+from engine.server.asgi import (
+    BodyTooLarge,
+    ClientGone,
+    end_body,
+    lifespan,
+    read_body,
+    send_body,
+    send_chunk,
+    send_json,
+    start_sse,
+    until_disconnect,
+)
 from engine.server.frontend import EngineClient, RankFailed, RankUnavailable
 from engine.server.metrics import make_registry, render
 
 logger = logging.getLogger("engine.front")
 
 KV_KEEPALIVE_S = 10.0
-
 
 
 def rank_header(rank: int | None) -> list:
@@ -48,7 +58,9 @@ async def read_json(receive, limit: int):
 
 
 class EngineApp:
-    def __init__(self, client: EngineClient, tokenizer, server_info: dict, max_body_bytes: int = 4 * 2**20):
+    def __init__(
+        self, client: EngineClient, tokenizer, server_info: dict, max_body_bytes: int = 4 * 2**20
+    ):
         self.client, self.tokenizer, self.info = client, tokenizer, server_info
         self.max_body_bytes = max_body_bytes
         self.model = server_info["served_model_name"]
@@ -76,7 +88,9 @@ class EngineApp:
         try:
             if handler is None:
                 allowed = any(p == path for _, p in self.routes)
-                raise api.APIError(405 if allowed else 404, f"{scope['method']} {path} is not served here")
+                raise api.APIError(
+                    405 if allowed else 404, f"{scope['method']} {path} is not served here"
+                )
             await handler(scope, receive, send)
         except api.APIError as exc:
             await send_json(send, exc.status, exc.body())
@@ -86,23 +100,47 @@ class EngineApp:
     # ----- plain endpoints ---------------------------------------------------------------------
     async def health(self, scope, receive, send):
         if self.client.healthy:
-            await send_json(send, 200, {"status": "ok", "dp_size": self.client.dp_size,
-                                        "instance_id": self.info.get("instance_id")})
+            await send_json(
+                send,
+                200,
+                {
+                    "status": "ok",
+                    "dp_size": self.client.dp_size,
+                    "instance_id": self.info.get("instance_id"),
+                },
+            )
         else:
-            await send_json(send, 503, {"status": "unavailable", "reason": self.client.health_reason()})
+            await send_json(
+                send, 503, {"status": "unavailable", "reason": self.client.health_reason()}
+            )
 
     async def server_info(self, scope, receive, send):
-        ranks = [{"rank": s.rank, "up": s.alive, "pid": s.info.pid if s.info else None,
-                  "inflight_requests": s.inflight_requests} for s in self.client.ranks]
+        ranks = [
+            {
+                "rank": s.rank,
+                "up": s.alive,
+                "pid": s.info.pid if s.info else None,
+                "inflight_requests": s.inflight_requests,
+            }
+            for s in self.client.ranks
+        ]
         await send_json(send, 200, {**self.info, "ranks": ranks})
 
     async def models(self, scope, receive, send):
-        card = {"id": self.model, "object": "model", "created": int(time.time()), "owned_by": "dpmesh",
-                "root": self.info["model_path"], "max_model_len": self.info["max_model_len"]}
+        card = {
+            "id": self.model,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "dpmesh",
+            "root": self.info["model_path"],
+            "max_model_len": self.info["max_model_len"],
+        }
         await send_json(send, 200, {"object": "list", "data": [card]})
 
     async def metrics(self, scope, receive, send):
-        await send_body(send, 200, render(self.registry), b"text/plain; version=0.0.4; charset=utf-8")
+        await send_body(
+            send, 200, render(self.registry), b"text/plain; version=0.0.4; charset=utf-8"
+        )
 
     async def kv_events(self, scope, receive, send):
         """The prefix caches as they change, for routers (SSE, never ends by itself): first one
@@ -122,14 +160,18 @@ class EngineApp:
         while not sub.overflowed:
             try:
                 item = await asyncio.wait_for(sub.queue.get(), KV_KEEPALIVE_S)
-            except asyncio.TimeoutError:
-                await send_chunk(send, b": keepalive\n\n")  # lets the reader tell a quiet engine from a dead one
+            except TimeoutError:
+                await send_chunk(
+                    send, b": keepalive\n\n"
+                )  # lets the reader tell a quiet engine from a dead one
                 continue
             if item is None:
                 break
             rank, events = item
             await send_event(send, {"rank": rank, "events": events})
-        await send_event(send, {"error": "this reader fell too far behind; reconnect for a new snapshot"})
+        await send_event(
+            send, {"error": "this reader fell too far behind; reconnect for a new snapshot"}
+        )
         await end_body(send)
 
     # ----- generation ----------------------------------------------------------------------------
@@ -142,16 +184,27 @@ class EngineApp:
     async def _generate(self, scope, receive, send, chat: bool):
         body = await read_json(receive, self.max_body_bytes)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        req = api.parse(body, headers, chat=chat, tokenizer=self.tokenizer, model_names=self.model_names,
-                        dp_size=self.client.dp_size, max_model_len=self.info["max_model_len"],
-                        vocab_size=self.info["vocab_size"])
+        req = api.parse(
+            body,
+            headers,
+            chat=chat,
+            tokenizer=self.tokenizer,
+            model_names=self.model_names,
+            dp_size=self.client.dp_size,
+            max_model_len=self.info["max_model_len"],
+            vocab_size=self.info["vocab_size"],
+        )
         try:
             rank = self.client.choose_rank(req.rank_hint)
         except RankUnavailable as exc:
             raise api.APIError(503, str(exc)) from exc
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         outputs = self.client.generate(rid, rank, req.prompt_token_ids, req.params)
-        relay = self._stream(req, rid, rank, outputs, send) if req.stream else self._complete(req, rid, rank, outputs, send)
+        relay = (
+            self._stream(req, rid, rank, outputs, send)
+            if req.stream
+            else self._complete(req, rid, rank, outputs, send)
+        )
         await until_disconnect(relay, receive)
 
     async def _complete(self, req, rid, rank, outputs, send):
@@ -164,8 +217,12 @@ class EngineApp:
         except RankFailed as exc:
             raise api.APIError(exc.status, str(exc)) from exc
         use = api.usage(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)
-        await send_json(send, 200, api.response(req, rid, self.model, "".join(text), last.finish_reason, use),
-                        rank_header(rank))
+        await send_json(
+            send,
+            200,
+            api.response(req, rid, self.model, "".join(text), last.finish_reason, use),
+            rank_header(rank),
+        )
 
     async def _stream(self, req, rid, rank, outputs, send):
         created = int(time.time())
@@ -177,10 +234,22 @@ class EngineApp:
                         await start_sse(send, rank_header(rank))
                         started = True
                         if req.chat:
-                            await send_event(send, api.chunk(req, rid, self.model, created, None, None, role=True))
+                            await send_event(
+                                send,
+                                api.chunk(req, rid, self.model, created, None, None, role=True),
+                            )
                     if out.new_text or out.finished:
-                        await send_event(send, api.chunk(req, rid, self.model, created, out.new_text or None,
-                                                         out.finish_reason))
+                        await send_event(
+                            send,
+                            api.chunk(
+                                req,
+                                rid,
+                                self.model,
+                                created,
+                                out.new_text or None,
+                                out.finish_reason,
+                            ),
+                        )
                     last = out
         except RankFailed as exc:
             if not started:
@@ -192,5 +261,3 @@ class EngineApp:
             use = api.usage(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)
             await send_event(send, api.usage_chunk(req, rid, self.model, created, use))
         await send_sse_end(send)
-
-

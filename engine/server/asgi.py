@@ -1,4 +1,5 @@
 """Small ASGI helpers shared by the engine's front and the router's fast proxy path."""
+
 from __future__ import annotations
 
 import asyncio
@@ -6,8 +7,11 @@ import contextlib
 import json
 
 JSON = b"application/json"
-SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
-               (b"x-accel-buffering", b"no")]
+SSE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
 
 
 class ClientGone(Exception):
@@ -67,8 +71,13 @@ async def until_disconnect(work, receive):
     return None
 
 
-async def send_body(send, status: int, body: bytes, content_type: bytes = JSON, headers: list | None = None):
-    all_headers = [(b"content-type", content_type), (b"content-length", str(len(body)).encode())] + (headers or [])
+async def send_body(
+    send, status: int, body: bytes, content_type: bytes = JSON, headers: list | None = None
+):
+    all_headers = [
+        (b"content-type", content_type),
+        (b"content-length", str(len(body)).encode()),
+    ] + (headers or [])
     await send({"type": "http.response.start", "status": status, "headers": all_headers})
     await send({"type": "http.response.body", "body": body})
 
@@ -78,7 +87,9 @@ async def send_json(send, status: int, payload: dict, headers: list | None = Non
 
 
 async def start_sse(send, headers: list | None = None):
-    await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS + (headers or [])})
+    await send(
+        {"type": "http.response.start", "status": 200, "headers": SSE_HEADERS + (headers or [])}
+    )
 
 
 async def send_chunk(send, data: bytes):

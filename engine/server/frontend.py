@@ -3,6 +3,7 @@
 Each rank has two one-way pipes. A reader thread per rank turns what the rank sends into calls
 on the event loop; everything else runs on the loop, so the load counters need no locks.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -30,6 +31,7 @@ class RankUnavailable(Exception):
 @dataclass
 class RankCounters:
     """What the front saw a rank finish: the per-rank numbers behind /metrics."""
+
     requests: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
@@ -51,14 +53,18 @@ class RankState:
     inflight_tokens: int = 0
     counters: RankCounters = field(default_factory=RankCounters)
     streams: dict[str, asyncio.Queue] = field(default_factory=dict)
-    cached: set[int] = field(default_factory=set)  # digests the rank's prefix cache holds (its KV events)
+    cached: set[int] = field(
+        default_factory=set
+    )  # digests the rank's prefix cache holds (its KV events)
 
     @property
     def alive(self) -> bool:
         return self.ready and self.dead_reason is None
 
 
-KV_SUBSCRIBER_BACKLOG = 10_000  # event batches a /kv_events reader may fall behind before it is cut off
+KV_SUBSCRIBER_BACKLOG = (
+    10_000  # event batches a /kv_events reader may fall behind before it is cut off
+)
 
 
 class KVSubscription:
@@ -109,16 +115,31 @@ class EngineClient:
         for state in self.ranks:
             inbox_r, inbox_w = ctx.Pipe(duplex=False)
             outbox_r, outbox_w = ctx.Pipe(duplex=False)
-            device = f"cuda:{state.rank}" if self.config.device == "cuda" else self.config.device  # rank r on GPU r
-            cfg = replace(self.config, num_threads=threads_per_rank, seed=self.config.seed + state.rank, device=device)
-            proc = ctx.Process(target=rank_main, args=(state.rank, cfg, inbox_r, outbox_w),
-                               name=f"dp-rank-{state.rank}", daemon=True)
+            device = (
+                f"cuda:{state.rank}" if self.config.device == "cuda" else self.config.device
+            )  # rank r on GPU r
+            cfg = replace(
+                self.config,
+                num_threads=threads_per_rank,
+                seed=self.config.seed + state.rank,
+                device=device,
+            )
+            proc = ctx.Process(
+                target=rank_main,
+                args=(state.rank, cfg, inbox_r, outbox_w),
+                name=f"dp-rank-{state.rank}",
+                daemon=True,
+            )
             proc.start()
             inbox_r.close()  # the child owns these ends; closing ours lets EOF reach us if it dies
             outbox_w.close()
             state.process, state.inbox = proc, inbox_w
-            threading.Thread(target=self._reader, args=(state, outbox_r), name=f"rank-{state.rank}-reader",
-                             daemon=True).start()
+            threading.Thread(
+                target=self._reader,
+                args=(state, outbox_r),
+                name=f"rank-{state.rank}-reader",
+                daemon=True,
+            ).start()
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
@@ -137,6 +158,7 @@ class EngineClient:
 
     def wait_ready(self, timeout: float) -> bool:
         import time
+
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if all(s.ready for s in self.ranks) or any(s.dead_reason for s in self.ranks):
@@ -149,7 +171,9 @@ class EngineClient:
         return all(s.alive for s in self.ranks)
 
     def health_reason(self) -> str:
-        reasons = [f"rank {s.rank}: {s.dead_reason or 'starting'}" for s in self.ranks if not s.alive]
+        reasons = [
+            f"rank {s.rank}: {s.dead_reason or 'starting'}" for s in self.ranks if not s.alive
+        ]
         return "; ".join(reasons) or "ok"
 
     # ----- messages from ranks (reader thread → loop) -------------------------------------------
@@ -160,7 +184,10 @@ class EngineClient:
             except (EOFError, OSError):
                 break
             if isinstance(msg, RankReady):
-                state.info, state.ready = msg, True  # set from this thread: /health may run before bind
+                state.info, state.ready = (
+                    msg,
+                    True,
+                )  # set from this thread: /health may run before bind
                 continue
             self._call(self._on_outputs, state, msg)
         state.process.join(timeout=5)
@@ -212,7 +239,12 @@ class EngineClient:
             self._on_kv_events(state, [("removed", list(state.cached))])
         if state.dead_reason is None:
             state.dead_reason = reason
-            logger.error("DP rank %d died: %s; failing %d in-flight requests", state.rank, reason, len(state.streams))
+            logger.error(
+                "DP rank %d died: %s; failing %d in-flight requests",
+                state.rank,
+                reason,
+                len(state.streams),
+            )
         for queue in state.streams.values():
             queue.put_nowait(RankFailed(f"DP rank {state.rank} died: {reason}", 503))
 
@@ -220,8 +252,10 @@ class EngineClient:
     def choose_rank(self, hint: int | None) -> int:
         if hint is not None:
             if not self.ranks[hint].alive:
-                raise RankUnavailable(f"data_parallel_rank {hint} is not serving "
-                                      f"({self.ranks[hint].dead_reason or 'starting'})")
+                raise RankUnavailable(
+                    f"data_parallel_rank {hint} is not serving "
+                    f"({self.ranks[hint].dead_reason or 'starting'})"
+                )
             return hint
         alive = [s for s in self.ranks if s.alive]
         if not alive:
@@ -240,7 +274,9 @@ class EngineClient:
     def new_request_id(self, prefix: str) -> str:
         return f"{prefix}-{next(self._ids)}"
 
-    async def generate(self, request_id: str, rank: int, prompt_token_ids: list[int], params: SamplingParams):
+    async def generate(
+        self, request_id: str, rank: int, prompt_token_ids: list[int], params: SamplingParams
+    ):
         """Yield RequestOutputs of one request on ``rank``. Load is held from here until the
         generator closes, whichever way it closes (finish, error, client disconnect)."""
         state = self.ranks[rank]

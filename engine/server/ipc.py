@@ -3,6 +3,7 @@
 They travel pickled over one-way ``multiprocessing`` pipes that the front creates per rank, so
 nothing is named on the filesystem and two engines on one host cannot collide.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ class RankReady:
 @dataclass(frozen=True)
 class RankStats:
     """A snapshot of one rank's scheduler and KV pool."""
+
     rank: int
     num_running: int
     num_waiting: int
@@ -54,6 +56,7 @@ class RankStats:
 @dataclass(frozen=True)
 class Outputs:
     """Everything one engine step produced, plus requests the rank refused or lost."""
+
     rank: int
     outputs: list[RequestOutput]
     errors: dict[str, str]  # request_id -> message (e.g. a request it could not accept)

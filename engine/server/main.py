@@ -1,4 +1,5 @@
 """``runengine``: N DP rank processes behind one OpenAI HTTP front served by daphne."""
+
 from __future__ import annotations
 
 import argparse
@@ -17,10 +18,18 @@ DEFAULT_PORT = 8000
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of DESIGN.md, shared by ``manage.py runengine`` and ``python -m engine.server.main``."""
-    parser.add_argument("--model", default="tiny", help="'tiny' (built in) or a local Hugging Face model directory")
+    parser.add_argument(
+        "--model", default="tiny", help="'tiny' (built in) or a local Hugging Face model directory"
+    )
     parser.add_argument("--dp-size", type=int, default=None, help="number of DP ranks (processes)")
-    parser.add_argument("-tp", "--tp-size", type=int, default=None, dest="tp_size",
-                        help="ATOM's spelling: with --enable-dp-attention, -tp N means --dp-size N")
+    parser.add_argument(
+        "-tp",
+        "--tp-size",
+        type=int,
+        default=None,
+        dest="tp_size",
+        help="ATOM's spelling: with --enable-dp-attention, -tp N means --dp-size N",
+    )
     parser.add_argument("--enable-dp-attention", action="store_true")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT)
@@ -31,19 +40,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
-    parser.add_argument("--dp-load-balance", default="least_requests",
-                        choices=["least_requests", "round_robin", "least_tokens"])
+    parser.add_argument(
+        "--dp-load-balance",
+        default="least_requests",
+        choices=["least_requests", "round_robin", "least_tokens"],
+    )
     parser.add_argument("--served-model-name", default=None)
-    parser.add_argument("--register-with", default=None, metavar="ROUTER_URL",
-                        help="register this engine with a router's /workers API once ready")
-    parser.add_argument("--register-key", default=None, metavar="KEY",
-                        help="the router's admin key, sent as 'Authorization: Bearer KEY' with --register-with "
-                             "(default: the first key of CONTROL_PLANE_ADMIN_KEYS, if set)")
+    parser.add_argument(
+        "--register-with",
+        default=None,
+        metavar="ROUTER_URL",
+        help="register this engine with a router's /workers API once ready",
+    )
+    parser.add_argument(
+        "--register-key",
+        default=None,
+        metavar="KEY",
+        help="the router's admin key, sent as 'Authorization: Bearer KEY' with --register-with "
+        "(default: the first key of CONTROL_PLANE_ADMIN_KEYS, if set)",
+    )
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--threads-per-rank", type=int, default=None,
-                        help="torch threads per rank (default: the cores divided between ranks)")
-    parser.add_argument("--cache-stats-interval", type=int, default=100,
-                        help="log [Cache Stats] lines every this many requests per rank")
+    parser.add_argument(
+        "--threads-per-rank",
+        type=int,
+        default=None,
+        help="torch threads per rank (default: the cores divided between ranks)",
+    )
+    parser.add_argument(
+        "--cache-stats-interval",
+        type=int,
+        default=100,
+        help="log [Cache Stats] lines every this many requests per rank",
+    )
     parser.add_argument("--max-body-bytes", type=int, default=4 * 2**20)
     parser.add_argument("--startup-timeout", type=float, default=600.0)
 
@@ -55,7 +83,9 @@ def resolve_dp_size(args) -> tuple[int, int]:
     if args.enable_dp_attention and args.tp_size:
         return args.tp_size, args.tp_size
     if args.tp_size and args.tp_size > 1:
-        raise SystemExit("tensor parallelism is not implemented; use --dp-size N (or -tp N --enable-dp-attention)")
+        raise SystemExit(
+            "tensor parallelism is not implemented; use --dp-size N (or -tp N --enable-dp-attention)"
+        )
     return 1, 1
 
 
@@ -63,6 +93,7 @@ def resolve_device(name: str) -> str:
     if name != "auto":
         return name
     import torch
+
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -84,12 +115,21 @@ def build(args):
     dp_size, tp_size = resolve_dp_size(args)
     if dp_size < 1:
         raise SystemExit("--dp-size must be >= 1")
-    model_path = resolve_model_path(args.model)  # builds the tiny model once, before the ranks race for it
+    model_path = resolve_model_path(
+        args.model
+    )  # builds the tiny model once, before the ranks race for it
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    config = EngineConfig(model=model_path, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-                          kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
-                          max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                          device=resolve_device(args.device), stats_interval=args.cache_stats_interval)
+    config = EngineConfig(
+        model=model_path,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory=args.kv_cache_memory,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        device=resolve_device(args.device),
+        stats_interval=args.cache_stats_interval,
+    )
     client = EngineClient(config, dp_size, args.dp_load_balance)
     threads = args.threads_per_rank or max(1, _cores() // dp_size)
     client.start(threads)
@@ -98,13 +138,20 @@ def build(args):
 
 def server_info(args, client, model_path: str, dp_size: int, tp_size: int) -> dict:
     from transformers import AutoConfig
+
     first = client.ranks[0].info
     return {
         "vocab_size": AutoConfig.from_pretrained(model_path).vocab_size,
-        "model_id": args.model, "served_model_name": args.served_model_name or args.model,
-        "model_path": model_path, "dp_size": dp_size, "tp_size": tp_size, "block_size": args.block_size,
-        "num_kv_blocks_per_rank": first.num_kv_blocks, "max_model_len": first.max_model_len,
-        "dp_load_balance": args.dp_load_balance, "enable_prefix_caching": True,
+        "model_id": args.model,
+        "served_model_name": args.served_model_name or args.model,
+        "model_path": model_path,
+        "dp_size": dp_size,
+        "tp_size": tp_size,
+        "block_size": args.block_size,
+        "num_kv_blocks_per_rank": first.num_kv_blocks,
+        "max_model_len": first.max_model_len,
+        "dp_load_balance": args.dp_load_balance,
+        "enable_prefix_caching": True,
         "prefix_digest": SCHEME,
         "kv_events": "/kv_events",  # the prefix caches as they change (SSE), for precise routing
         # new at every start: a router that sees it change knows the prefix caches are empty
@@ -118,10 +165,16 @@ def register(router_url: str, own_url: str, key: str | None = None) -> None:
     import time
 
     import httpx
+
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     for attempt in range(30):
         try:
-            r = httpx.post(f"{router_url.rstrip('/')}/workers", json={"url": own_url}, timeout=10, headers=headers)
+            r = httpx.post(
+                f"{router_url.rstrip('/')}/workers",
+                json={"url": own_url},
+                timeout=10,
+                headers=headers,
+            )
         except httpx.HTTPError as exc:
             logger.info("router %s not reachable yet (%s); retrying", router_url, exc)
             time.sleep(min(5.0, 0.5 * (attempt + 1)))
@@ -129,11 +182,17 @@ def register(router_url: str, own_url: str, key: str | None = None) -> None:
         if r.status_code < 300:
             logger.info("registered with router %s: %s", router_url, r.status_code)
         elif r.status_code in (401, 403):
-            logger.error("router %s refused registration (%s): %s the router's admin key with --register-key "
-                         "(or CONTROL_PLANE_ADMIN_KEYS); not retrying", router_url, r.status_code,
-                         "check" if key else "pass")
+            logger.error(
+                "router %s refused registration (%s): %s the router's admin key with --register-key "
+                "(or CONTROL_PLANE_ADMIN_KEYS); not retrying",
+                router_url,
+                r.status_code,
+                "check" if key else "pass",
+            )
         else:
-            logger.warning("router %s refused registration: %s %s", router_url, r.status_code, r.text[:200])
+            logger.warning(
+                "router %s refused registration: %s %s", router_url, r.status_code, r.text[:200]
+            )
         return
     logger.error("gave up registering with router %s", router_url)
 
@@ -142,15 +201,22 @@ def register_key(args) -> str | None:
     """``--register-key``, else the first of ``CONTROL_PLANE_ADMIN_KEYS`` (the router's own setting)."""
     if args.register_key:
         return args.register_key
-    keys = [k.strip() for k in os.environ.get("CONTROL_PLANE_ADMIN_KEYS", "").split(",") if k.strip()]
+    keys = [
+        k.strip() for k in os.environ.get("CONTROL_PLANE_ADMIN_KEYS", "").split(",") if k.strip()
+    ]
     return keys[0] if keys else None
 
 
 def serve(args) -> int:
-    logging.basicConfig(level=os.environ.get("ENGINE_LOG_LEVEL", "INFO"), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s [front] %(name)s: %(message)s")
+    logging.basicConfig(
+        level=os.environ.get("ENGINE_LOG_LEVEL", "INFO"),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s [front] %(name)s: %(message)s",
+    )
     logging.getLogger("transformers").setLevel(logging.WARNING)
-    from daphne.server import Server  # installs the asyncio reactor; must come before twisted.internet.reactor
+    from daphne.server import (
+        Server,
+    )  # installs the asyncio reactor; must come before twisted.internet.reactor
     from twisted.internet import reactor
 
     from engine.server.app import EngineApp
@@ -165,10 +231,19 @@ def serve(args) -> int:
     app = EngineApp(client, tokenizer, info, max_body_bytes=args.max_body_bytes)
     url = f"http://{args.host}:{args.port}"
     if args.register_with:
-        threading.Thread(target=register, args=(args.register_with, url, register_key(args)), daemon=True).start()
-    print(f"Engine ready on {url} (model {info['served_model_name']}, dp_size {dp_size})", flush=True)
-    server = Server(application=app, endpoints=[f"tcp:port={args.port}:interface={args.host}"],
-                    signal_handlers=True, verbosity=0, application_close_timeout=5)
+        threading.Thread(
+            target=register, args=(args.register_with, url, register_key(args)), daemon=True
+        ).start()
+    print(
+        f"Engine ready on {url} (model {info['served_model_name']}, dp_size {dp_size})", flush=True
+    )
+    server = Server(
+        application=app,
+        endpoints=[f"tcp:port={args.port}:interface={args.host}"],
+        signal_handlers=True,
+        verbosity=0,
+        application_close_timeout=5,
+    )
     try:
         server.run()
     finally:

@@ -1,4 +1,5 @@
 """Prometheus text for /metrics: one family per quantity, one sample per DP rank."""
+
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -11,28 +12,91 @@ PREFIX = "dpmesh_engine"
 # (name, help, kind, reader of a RankState)
 _FAMILIES = [
     ("requests", "Requests finished by the rank", "counter", lambda s: s.counters.requests),
-    ("prompt_tokens", "Prompt tokens of finished requests", "counter", lambda s: s.counters.prompt_tokens),
-    ("cached_tokens", "Prompt tokens of finished requests served from the prefix cache", "counter",
-     lambda s: s.counters.cached_tokens),
-    ("generation_tokens", "Generated tokens of finished requests", "counter", lambda s: s.counters.generation_tokens),
+    (
+        "prompt_tokens",
+        "Prompt tokens of finished requests",
+        "counter",
+        lambda s: s.counters.prompt_tokens,
+    ),
+    (
+        "cached_tokens",
+        "Prompt tokens of finished requests served from the prefix cache",
+        "counter",
+        lambda s: s.counters.cached_tokens,
+    ),
+    (
+        "generation_tokens",
+        "Generated tokens of finished requests",
+        "counter",
+        lambda s: s.counters.generation_tokens,
+    ),
     ("request_errors", "Requests that failed on the rank", "counter", lambda s: s.counters.errors),
-    ("request_aborts", "Requests aborted before they finished (client gone)", "counter", lambda s: s.counters.aborts),
-    ("preemptions", "Sequences preempted for lack of KV blocks", "counter",
-     lambda s: s.stats.num_preemptions if s.stats else 0),
-    ("prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache at admission", "counter",
-     lambda s: s.stats.prefix_cache_prompt_tokens if s.stats else 0),
-    ("prefix_cache_hits_tokens", "Prompt tokens found in the prefix cache at admission", "counter",
-     lambda s: s.stats.prefix_cache_cached_tokens if s.stats else 0),
-    ("num_requests_running", "Sequences the scheduler is running", "gauge", lambda s: s.stats.num_running if s.stats else 0),
-    ("num_requests_waiting", "Sequences waiting for admission", "gauge", lambda s: s.stats.num_waiting if s.stats else 0),
-    ("kv_blocks_used", "KV blocks held by requests", "gauge", lambda s: s.stats.kv_blocks_used if s.stats else 0),
-    ("kv_blocks_cached", "Free KV blocks that still hold a cached prefix", "gauge",
-     lambda s: s.stats.kv_blocks_cached if s.stats else 0),
-    ("kv_blocks_total", "KV blocks in the rank's pool", "gauge",
-     lambda s: s.info.num_kv_blocks if s.info else 0),
-    ("inflight_requests", "Requests the front has dispatched to the rank and not yet seen end", "gauge",
-     lambda s: s.inflight_requests),
-    ("inflight_prompt_tokens", "Prompt tokens of those in-flight requests", "gauge", lambda s: s.inflight_tokens),
+    (
+        "request_aborts",
+        "Requests aborted before they finished (client gone)",
+        "counter",
+        lambda s: s.counters.aborts,
+    ),
+    (
+        "preemptions",
+        "Sequences preempted for lack of KV blocks",
+        "counter",
+        lambda s: s.stats.num_preemptions if s.stats else 0,
+    ),
+    (
+        "prefix_cache_queries_tokens",
+        "Prompt tokens looked up in the prefix cache at admission",
+        "counter",
+        lambda s: s.stats.prefix_cache_prompt_tokens if s.stats else 0,
+    ),
+    (
+        "prefix_cache_hits_tokens",
+        "Prompt tokens found in the prefix cache at admission",
+        "counter",
+        lambda s: s.stats.prefix_cache_cached_tokens if s.stats else 0,
+    ),
+    (
+        "num_requests_running",
+        "Sequences the scheduler is running",
+        "gauge",
+        lambda s: s.stats.num_running if s.stats else 0,
+    ),
+    (
+        "num_requests_waiting",
+        "Sequences waiting for admission",
+        "gauge",
+        lambda s: s.stats.num_waiting if s.stats else 0,
+    ),
+    (
+        "kv_blocks_used",
+        "KV blocks held by requests",
+        "gauge",
+        lambda s: s.stats.kv_blocks_used if s.stats else 0,
+    ),
+    (
+        "kv_blocks_cached",
+        "Free KV blocks that still hold a cached prefix",
+        "gauge",
+        lambda s: s.stats.kv_blocks_cached if s.stats else 0,
+    ),
+    (
+        "kv_blocks_total",
+        "KV blocks in the rank's pool",
+        "gauge",
+        lambda s: s.info.num_kv_blocks if s.info else 0,
+    ),
+    (
+        "inflight_requests",
+        "Requests the front has dispatched to the rank and not yet seen end",
+        "gauge",
+        lambda s: s.inflight_requests,
+    ),
+    (
+        "inflight_prompt_tokens",
+        "Prompt tokens of those in-flight requests",
+        "gauge",
+        lambda s: s.inflight_tokens,
+    ),
     ("rank_up", "1 while the rank process serves", "gauge", lambda s: int(s.alive)),
 ]
 

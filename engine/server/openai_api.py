@@ -3,6 +3,7 @@
 Parsing is strict: every value is type-checked before anything is queued, and a bad one is an
 ``APIError`` carrying the HTTP status and the OpenAI error body.
 """
+
 from __future__ import annotations
 
 import re
@@ -16,13 +17,22 @@ _HEADER_INT = re.compile(r"^-?\d+$")
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, type: str | None = None):
+    def __init__(
+        self, status: int, message: str, param: str | None = None, type: str | None = None
+    ):
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
         self.type = type or ("invalid_request_error" if status < 500 else "server_error")
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.status,
+            }
+        }
 
 
 @dataclass
@@ -53,14 +63,20 @@ def rank_hint(body: dict, headers: dict[str, str], dp_size: int) -> int | None:
     header = headers.get("x-data-parallel-rank")
     if header is not None and header.strip() != "":
         value = header.strip()
-        return _check_rank(int(value) if _HEADER_INT.match(value) else value, "X-data-parallel-rank", dp_size)
+        return _check_rank(
+            int(value) if _HEADER_INT.match(value) else value, "X-data-parallel-rank", dp_size
+        )
     return None
 
 
 def _check_rank(value, param: str, dp_size: int) -> int:
     if not _is_int(value) or not 0 <= value < dp_size:
-        raise APIError(400, f"Invalid data_parallel_rank={value!r}: it must be an integer in [0, {dp_size - 1}] "
-                            f"(dp_size={dp_size})", param=param)
+        raise APIError(
+            400,
+            f"Invalid data_parallel_rank={value!r}: it must be an integer in [0, {dp_size - 1}] "
+            f"(dp_size={dp_size})",
+            param=param,
+        )
     return value
 
 
@@ -91,21 +107,34 @@ def sampling_params(body: dict, default_max_tokens: int) -> SamplingParams:
     _unsupported(body)
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is not None and (not _is_int(max_tokens) or max_tokens <= 0):
-        raise APIError(400, f"'max_tokens' must be a positive integer, got {max_tokens!r}", param="max_tokens")
+        raise APIError(
+            400, f"'max_tokens' must be a positive integer, got {max_tokens!r}", param="max_tokens"
+        )
     stop = body.get("stop")
-    if stop is not None and not (isinstance(stop, str) or (isinstance(stop, list)
-                                                           and all(isinstance(s, str) for s in stop))):
+    if stop is not None and not (
+        isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))
+    ):
         raise APIError(400, "'stop' must be a string or a list of strings", param="stop")
     return SamplingParams(
         max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
-        temperature=_opt(body, "temperature", lambda v: _is_number(v) and v >= 0, "a number >= 0", 1.0),
-        top_p=_opt(body, "top_p", lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1]", 1.0),
+        temperature=_opt(
+            body, "temperature", lambda v: _is_number(v) and v >= 0, "a number >= 0", 1.0
+        ),
+        top_p=_opt(
+            body, "top_p", lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1]", 1.0
+        ),
         top_k=_opt(body, "top_k", lambda v: _is_int(v) and v >= -1, "an integer >= -1", 0),
         seed=_opt(body, "seed", _is_int, "an integer"),
         stop=[stop] if isinstance(stop, str) else list(stop or []),
-        stop_token_ids=_opt(body, "stop_token_ids", lambda v: isinstance(v, list) and all(map(_is_int, v)),
-                            "a list of integers", []),
-        ignore_eos=_opt(body, "ignore_eos", lambda v: isinstance(v, bool), "a boolean", False))
+        stop_token_ids=_opt(
+            body,
+            "stop_token_ids",
+            lambda v: isinstance(v, list) and all(map(_is_int, v)),
+            "a list of integers",
+            [],
+        ),
+        ignore_eos=_opt(body, "ignore_eos", lambda v: isinstance(v, bool), "a boolean", False),
+    )
 
 
 def completion_prompt(body: dict, tokenizer, vocab_size: int) -> list[int]:
@@ -118,9 +147,17 @@ def completion_prompt(body: dict, tokenizer, vocab_size: int) -> list[int]:
         if not all(0 <= t < vocab_size for t in prompt):
             raise APIError(400, f"prompt token ids must be in [0, {vocab_size})", param="prompt")
         return prompt
-    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
-        raise APIError(400, "batched prompts are not supported: send one prompt per request", param="prompt")
-    raise APIError(400, "'prompt' must be a non-empty string or a non-empty list of token ids", param="prompt")
+    if (
+        isinstance(prompt, list)
+        and len(prompt) > 1
+        and all(isinstance(p, (str, list)) for p in prompt)
+    ):
+        raise APIError(
+            400, "batched prompts are not supported: send one prompt per request", param="prompt"
+        )
+    raise APIError(
+        400, "'prompt' must be a non-empty string or a non-empty list of token ids", param="prompt"
+    )
 
 
 def _message_text(msg: dict, i: int) -> str:
@@ -129,10 +166,14 @@ def _message_text(msg: dict, i: int) -> str:
         return ""
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                         and isinstance(p.get("text"), str) for p in content):
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+        for p in content
+    ):
         return "".join(p["text"] for p in content)
-    raise APIError(400, f"messages[{i}].content must be a string or a list of text parts", param="messages")
+    raise APIError(
+        400, f"messages[{i}].content must be a string or a list of text parts", param="messages"
+    )
 
 
 def chat_prompt(body: dict, tokenizer) -> list[int]:
@@ -144,62 +185,120 @@ def chat_prompt(body: dict, tokenizer) -> list[int]:
     clean = []
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict) or msg.get("role") not in CHAT_ROLES:
-            raise APIError(400, f"messages[{i}] must be an object with a role in {sorted(CHAT_ROLES)}",
-                           param="messages")
+            raise APIError(
+                400,
+                f"messages[{i}] must be an object with a role in {sorted(CHAT_ROLES)}",
+                param="messages",
+            )
         clean.append({"role": msg["role"], "content": _message_text(msg, i)})
     text = tokenizer.apply_chat_template(clean, add_generation_prompt=True, tokenize=False)
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def parse(body, headers: dict[str, str], *, chat: bool, tokenizer, model_names: set[str], dp_size: int,
-          max_model_len: int, vocab_size: int) -> ParsedRequest:
+def parse(
+    body,
+    headers: dict[str, str],
+    *,
+    chat: bool,
+    tokenizer,
+    model_names: set[str],
+    dp_size: int,
+    max_model_len: int,
+    vocab_size: int,
+) -> ParsedRequest:
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     model = body.get("model")
     if model is not None and model not in model_names:
-        raise APIError(404, f"The model `{model}` does not exist.", param="model", type="NotFoundError")
+        raise APIError(
+            404, f"The model `{model}` does not exist.", param="model", type="NotFoundError"
+        )
     hint = rank_hint(body, headers, dp_size)
     stream = _opt(body, "stream", lambda v: isinstance(v, bool), "a boolean", False)
     options = _opt(body, "stream_options", lambda v: isinstance(v, dict), "an object", {})
     if options and not stream:
-        raise APIError(400, "'stream_options' is only allowed when 'stream' is true", param="stream_options")
+        raise APIError(
+            400, "'stream_options' is only allowed when 'stream' is true", param="stream_options"
+        )
     ids = chat_prompt(body, tokenizer) if chat else completion_prompt(body, tokenizer, vocab_size)
     room = max_model_len - len(ids)
     if room <= 0:
-        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens; the prompt has "
-                            f"{len(ids)} tokens", param="messages" if chat else "prompt")
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens; the prompt has "
+            f"{len(ids)} tokens",
+            param="messages" if chat else "prompt",
+        )
     try:
         params = sampling_params(body, room if chat else min(16, room))
     except ValueError as exc:
         raise APIError(400, str(exc)) from exc
     if len(ids) + params.max_tokens > max_model_len:
-        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens; the prompt has "
-                            f"{len(ids)} tokens and max_tokens is {params.max_tokens}", param="max_tokens")
-    return ParsedRequest(chat, ids, params, stream, bool(options.get("include_usage")), model or "", hint)
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens; the prompt has "
+            f"{len(ids)} tokens and max_tokens is {params.max_tokens}",
+            param="max_tokens",
+        )
+    return ParsedRequest(
+        chat, ids, params, stream, bool(options.get("include_usage")), model or "", hint
+    )
 
 
 # ----- responses ------------------------------------------------------------------------------
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
 
 
-def response(req: ParsedRequest, rid: str, model: str, text: str, finish: str | None, use: dict) -> dict:
+def response(
+    req: ParsedRequest, rid: str, model: str, text: str, finish: str | None, use: dict
+) -> dict:
     if req.chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": finish}
-        return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-                "choices": [choice], "usage": use}
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": finish,
+        }
+        return {
+            "id": rid,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": model,
+            "choices": [choice],
+            "usage": use,
+        }
     choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [choice], "usage": use}
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+        "usage": use,
+    }
 
 
-def chunk(req: ParsedRequest, rid: str, model: str, created: int, text: str | None, finish: str | None,
-          role: bool = False) -> dict:
+def chunk(
+    req: ParsedRequest,
+    rid: str,
+    model: str,
+    created: int,
+    text: str | None,
+    finish: str | None,
+    role: bool = False,
+) -> dict:
     if req.chat:
-        delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
+        delta = (
+            {"role": "assistant", "content": ""}
+            if role
+            else ({"content": text} if text is not None else {})
+        )
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
         obj = "chat.completion.chunk"
     else:
@@ -211,4 +310,11 @@ def chunk(req: ParsedRequest, rid: str, model: str, created: int, text: str | No
 
 def usage_chunk(req: ParsedRequest, rid: str, model: str, created: int, use: dict) -> dict:
     obj = "chat.completion.chunk" if req.chat else "text_completion"
-    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": use}
+    return {
+        "id": rid,
+        "object": obj,
+        "created": created,
+        "model": model,
+        "choices": [],
+        "usage": use,
+    }

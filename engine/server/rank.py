@@ -1,4 +1,5 @@
 """One DP rank process: its own scheduler, block manager, model runner and KV pool."""
+
 from __future__ import annotations
 
 import logging
@@ -16,8 +17,12 @@ STATS_PERIOD_S = 0.25
 
 
 def configure_rank_logging(rank: int) -> None:
-    logging.basicConfig(level=os.environ.get("ENGINE_LOG_LEVEL", "INFO"), stream=sys.stderr, force=True,
-                        format=f"%(asctime)s %(levelname)s [DP{rank}] %(name)s: %(message)s")
+    logging.basicConfig(
+        level=os.environ.get("ENGINE_LOG_LEVEL", "INFO"),
+        stream=sys.stderr,
+        force=True,
+        format=f"%(asctime)s %(levelname)s [DP{rank}] %(name)s: %(message)s",
+    )
     for noisy in ("transformers", "httpx"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
@@ -26,11 +31,18 @@ def snapshot(engine: LLMEngine, rank: int) -> RankStats:
     usage = engine.block_manager.usage()
     total = engine.cache_stats.total
     sched = engine.scheduler
-    return RankStats(rank=rank, num_running=len(sched.running),
-                     num_waiting=sum(1 for s in sched.waiting if not s.is_finished),
-                     kv_blocks_used=usage.used, kv_blocks_cached=usage.cached_free, kv_blocks_total=usage.total,
-                     num_preemptions=sched.num_preemptions, prefix_cache_requests=total.requests,
-                     prefix_cache_prompt_tokens=total.total_tokens, prefix_cache_cached_tokens=total.cached_tokens)
+    return RankStats(
+        rank=rank,
+        num_running=len(sched.running),
+        num_waiting=sum(1 for s in sched.waiting if not s.is_finished),
+        kv_blocks_used=usage.used,
+        kv_blocks_cached=usage.cached_free,
+        kv_blocks_total=usage.total,
+        num_preemptions=sched.num_preemptions,
+        prefix_cache_requests=total.requests,
+        prefix_cache_prompt_tokens=total.total_tokens,
+        prefix_cache_cached_tokens=total.cached_tokens,
+    )
 
 
 def kv_events(events) -> list[tuple[str, list[int]]]:
@@ -94,8 +106,12 @@ def rank_main(rank: int, config: EngineConfig, inbox: Connection, outbox: Connec
     log = logging.getLogger("engine.rank")
     engine = LLMEngine(config, log_prefix="")
     outbox.send(RankReady(rank, engine.block_manager.num_blocks, engine.max_model_len, os.getpid()))
-    log.info("rank %d ready: %d KV blocks, %d threads", rank, engine.block_manager.num_blocks,
-             config.num_threads or 0)
+    log.info(
+        "rank %d ready: %d KV blocks, %d threads",
+        rank,
+        engine.block_manager.num_blocks,
+        config.num_threads or 0,
+    )
     try:
         RankLoop(rank, engine, inbox, outbox).run()
     except (EOFError, BrokenPipeError, KeyboardInterrupt):

@@ -1,6 +1,7 @@
 """The benchmark client: datasets (shapes, determinism), statistics on hand-made samples, SSE
 parsing and pacing against a fake server, and one run against a real dp 2 engine whose own
 /metrics must agree with what the client reports."""
+
 import asyncio
 import contextlib
 import io
@@ -24,12 +25,20 @@ def tokenizer():
     from transformers import AutoTokenizer
 
     from engine.tiny import ensure_tiny_model
+
     return AutoTokenizer.from_pretrained(ensure_tiny_model())
 
 
 def _prefix_rep(seed=0, **kw):
-    args = dict(num_prompts=10, prefix_len=32, suffix_len=16, num_prefixes=3, output_len=4, seed=seed,
-                allowed=datasets.allowed_token_ids(4096))
+    args = dict(
+        num_prompts=10,
+        prefix_len=32,
+        suffix_len=16,
+        num_prefixes=3,
+        output_len=4,
+        seed=seed,
+        allowed=datasets.allowed_token_ids(4096),
+    )
     return datasets.prefix_repetition(**{**args, **kw})
 
 
@@ -77,26 +86,51 @@ def test_random_prompts_are_independent_and_seeded():
     allowed = datasets.allowed_token_ids(4096)
     a = datasets.random_prompts(num_prompts=5, input_len=20, output_len=3, seed=1, allowed=allowed)
     assert [s.prompt_len for s in a] == [20] * 5 and len({tuple(s.prompt) for s in a}) == 5
-    assert a == datasets.random_prompts(num_prompts=5, input_len=20, output_len=3, seed=1, allowed=allowed)
+    assert a == datasets.random_prompts(
+        num_prompts=5, input_len=20, output_len=3, seed=1, allowed=allowed
+    )
 
 
 def test_multi_turn_shape_and_determinism(tokenizer):
-    convs = datasets.multi_turn(num_conversations=4, num_turns=3, system_len=100, user_len=20, output_len=5,
-                                seed=3, tokenizer=tokenizer)
+    convs = datasets.multi_turn(
+        num_conversations=4,
+        num_turns=3,
+        system_len=100,
+        user_len=20,
+        output_len=5,
+        seed=3,
+        tokenizer=tokenizer,
+    )
     assert len(convs) == 4 and all(len(c.user_turns) == 3 and c.output_len == 5 for c in convs)
     assert len({c.system for c in convs}) == 1
     assert 95 <= len(tokenizer.encode(convs[0].system)) <= 115
     assert all(15 <= len(tokenizer.encode(t)) <= 20 for c in convs for t in c.user_turns)
     assert len({t for c in convs for t in c.user_turns}) == 12
-    again = datasets.multi_turn(num_conversations=4, num_turns=3, system_len=100, user_len=20, output_len=5,
-                                seed=3, tokenizer=tokenizer)
+    again = datasets.multi_turn(
+        num_conversations=4,
+        num_turns=3,
+        system_len=100,
+        user_len=20,
+        output_len=5,
+        seed=3,
+        tokenizer=tokenizer,
+    )
     assert again == convs
 
 
 # ----- statistics --------------------------------------------------------------------------------
 def _result(ttft, latency, out, prompt=100, cached=None, rank=None, itl=(), ok=True):
-    return RequestResult(ok=ok, ttft=ttft, latency=latency, output_tokens=out, prompt_tokens=prompt,
-                         cached_tokens=cached, rank=rank, itl=list(itl), error="" if ok else "boom")
+    return RequestResult(
+        ok=ok,
+        ttft=ttft,
+        latency=latency,
+        output_tokens=out,
+        prompt_tokens=prompt,
+        cached_tokens=cached,
+        rank=rank,
+        itl=list(itl),
+        error="" if ok else "boom",
+    )
 
 
 def test_distribution_and_balance():
@@ -122,13 +156,21 @@ def test_summary_numbers_from_hand_made_results():
     assert s["request_throughput"] == pytest.approx(1.5)
     assert s["output_throughput"] == pytest.approx(8.5)
     assert s["total_token_throughput"] == pytest.approx(208.5)
-    assert s["ttft_ms"]["mean"] == pytest.approx(200.0) and s["ttft_ms"]["median"] == pytest.approx(200.0)
-    assert s["tpot_ms"]["mean"] == pytest.approx(100.0)  # (1.1-0.1)/10 and (0.6-0.2)/4; 1-token request left out
+    assert s["ttft_ms"]["mean"] == pytest.approx(200.0) and s["ttft_ms"]["median"] == pytest.approx(
+        200.0
+    )
+    assert s["tpot_ms"]["mean"] == pytest.approx(
+        100.0
+    )  # (1.1-0.1)/10 and (0.6-0.2)/4; 1-token request left out
     assert s["itl_ms"]["median"] == pytest.approx(100.0)
     assert s["cached_tokens"] == 200 and s["hit_rate"] == pytest.approx(0.5)
     ranks = s["per_rank"]["ranks"]
     assert ranks["0"] == {"requests": 2, "prompt_tokens": 300, "cached_tokens": 150}
-    assert ranks["2"] == {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0}  # known dp_size, idle rank
+    assert ranks["2"] == {
+        "requests": 0,
+        "prompt_tokens": 0,
+        "cached_tokens": 0,
+    }  # known dp_size, idle rank
     assert s["per_rank"]["requests_max_over_mean"] == pytest.approx(2.0)
     assert s["errors"] == ["boom"]
     assert per_rank([_result(0.1, 0.2, 2)]) == {}  # no rank header: no per-rank table
@@ -137,10 +179,15 @@ def test_summary_numbers_from_hand_made_results():
 
 def test_engine_metrics_parse_and_delta():
     def text(r0, r1):
-        return "".join(f'dpmesh_engine_{name}_total{{model_name="tiny",rank="{rank}"}} {value}\n'
-                       for rank, vals in ((0, r0), (1, r1))
-                       for name, value in zip(("requests", "prompt_tokens", "cached_tokens"), vals))
-    before = engine_metrics.parse("# TYPE dpmesh_engine_requests_total counter\n" + text((1, 10, 0), (0, 0, 0)))
+        return "".join(
+            f'dpmesh_engine_{name}_total{{model_name="tiny",rank="{rank}"}} {value}\n'
+            for rank, vals in ((0, r0), (1, r1))
+            for name, value in zip(("requests", "prompt_tokens", "cached_tokens"), vals)
+        )
+
+    before = engine_metrics.parse(
+        "# TYPE dpmesh_engine_requests_total counter\n" + text((1, 10, 0), (0, 0, 0))
+    )
     after = engine_metrics.parse(text((4, 400, 96), (2, 200, 0)))
     s = engine_metrics.summarize(engine_metrics.delta(before, after))
     assert s["ranks"]["0"] == {"requests": 3, "prompt_tokens": 390, "cached_tokens": 96}
@@ -152,16 +199,25 @@ def test_engine_metrics_parse_and_delta():
 
 # ----- the client against a fake server ------------------------------------------------------------
 def _sse(*events) -> bytes:
-    return b"".join(b"data: " + (e if isinstance(e, bytes) else json.dumps(e).encode()) + b"\n\n" for e in events)
+    return b"".join(
+        b"data: " + (e if isinstance(e, bytes) else json.dumps(e).encode()) + b"\n\n"
+        for e in events
+    )
 
 
 def _fake_stream(words: list[str], prompt_tokens=10, cached=4, rank="1") -> httpx.Response:
     chunks = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}]
     chunks += [{"choices": [{"index": 0, "delta": {"content": w}}]} for w in words]
-    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": len(words),
-             "prompt_tokens_details": {"cached_tokens": cached}}
-    return httpx.Response(200, headers={"X-Data-Parallel-Rank": rank, "content-type": "text/event-stream"},
-                          content=_sse(*chunks, {"choices": [], "usage": usage}, b"[DONE]"))
+    usage = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": len(words),
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+    return httpx.Response(
+        200,
+        headers={"X-Data-Parallel-Rank": rank, "content-type": "text/event-stream"},
+        content=_sse(*chunks, {"choices": [], "usage": usage}, b"[DONE]"),
+    )
 
 
 async def test_send_reads_timing_usage_rank_and_errors():
@@ -170,10 +226,14 @@ async def test_send_reads_timing_usage_rank_and_errors():
         if body.get("fail") == "http":
             return httpx.Response(400, json={"error": {"message": "bad"}})
         if body.get("fail") == "event":
-            return httpx.Response(200, content=_sse({"choices": [{"text": "a"}]}, {"error": {"message": "died"}}))
+            return httpx.Response(
+                200, content=_sse({"choices": [{"text": "a"}]}, {"error": {"message": "died"}})
+            )
         return _fake_stream(["a", "b", "c"])
 
-    async with httpx.AsyncClient(transport=httpx.MockTransport(handler), base_url="http://fake") as client:
+    async with httpx.AsyncClient(
+        transport=httpx.MockTransport(handler), base_url="http://fake"
+    ) as client:
         ok = await send(client, "/v1/chat/completions", {})
         bad = await send(client, "/v1/completions", {"fail": "http"})
         died = await send(client, "/v1/completions", {"fail": "event"})
@@ -198,23 +258,46 @@ async def test_conversations_carry_replies_and_respect_the_concurrency_cap():
         return _fake_stream([f"reply{turn}:", body["messages"][1]["content"][:5]])
 
     convs = [datasets.Conversation(i, "sys", [f"u{i}-{t}" for t in range(3)], 4) for i in range(5)]
-    opts = RunOptions(base_url="http://fake", model="m", max_concurrency=2, progress=False,
-                      transport=httpx.MockTransport(handler))
+    opts = RunOptions(
+        base_url="http://fake",
+        model="m",
+        max_concurrency=2,
+        progress=False,
+        transport=httpx.MockTransport(handler),
+    )
     run_ = await send_conversations(opts, convs)
     assert len(run_.results) == 15 and all(r.ok for r in run_.results) and peak[0] == 2
     last = [b for b in seen if len(b["messages"]) == 6]
     assert len(last) == 5
     for body in last:
         m = body["messages"]
-        assert [x["role"] for x in m] == ["system", "user", "assistant", "user", "assistant", "user"]
-        assert m[2]["content"] == "reply1:" + m[1]["content"][:5] and m[4]["content"].startswith("reply2:")
-        assert body["ignore_eos"] is True and body["temperature"] == 0 and body["stream_options"]["include_usage"]
+        assert [x["role"] for x in m] == [
+            "system",
+            "user",
+            "assistant",
+            "user",
+            "assistant",
+            "user",
+        ]
+        assert m[2]["content"] == "reply1:" + m[1]["content"][:5] and m[4]["content"].startswith(
+            "reply2:"
+        )
+        assert (
+            body["ignore_eos"] is True
+            and body["temperature"] == 0
+            and body["stream_options"]["include_usage"]
+        )
 
 
 async def test_samples_are_paced_by_the_request_rate():
     samples = _prefix_rep(num_prompts=6, num_prefixes=1)
-    opts = RunOptions(base_url="http://fake", model="m", request_rate=50.0, progress=False,
-                      transport=httpx.MockTransport(lambda r: _fake_stream(["x"])))
+    opts = RunOptions(
+        base_url="http://fake",
+        model="m",
+        request_rate=50.0,
+        progress=False,
+        transport=httpx.MockTransport(lambda r: _fake_stream(["x"])),
+    )
     run_ = await send_samples(opts, samples)
     starts = [r.start for r in run_.results]
     assert len(starts) == 6 and starts[-1] - starts[0] > 0.02  # 5 exponential gaps of mean 20 ms
@@ -226,12 +309,31 @@ async def test_samples_are_paced_by_the_request_rate():
 def test_against_a_dp2_engine_the_reported_hits_match_the_engines_metrics(tmp_path):
     with start_engine(tmp_path, "--dp-size", "2", "--num-kv-blocks", "256") as engine:
         before = metrics(engine.url)
-        args = build_parser().parse_args([
-            "--base-url", engine.url, "--dataset-name", "prefix_repetition", "--num-prompts", "12",
-            "--prefix-repetition-prefix-len", "64", "--prefix-repetition-suffix-len", "32",
-            "--prefix-repetition-num-prefixes", "2", "--prefix-repetition-output-len", "4",
-            "--max-concurrency", "2", "--engine-metrics-url", engine.url, "--disable-tqdm",
-            "--json", str(tmp_path / "r.json")])
+        args = build_parser().parse_args(
+            [
+                "--base-url",
+                engine.url,
+                "--dataset-name",
+                "prefix_repetition",
+                "--num-prompts",
+                "12",
+                "--prefix-repetition-prefix-len",
+                "64",
+                "--prefix-repetition-suffix-len",
+                "32",
+                "--prefix-repetition-num-prefixes",
+                "2",
+                "--prefix-repetition-output-len",
+                "4",
+                "--max-concurrency",
+                "2",
+                "--engine-metrics-url",
+                engine.url,
+                "--disable-tqdm",
+                "--json",
+                str(tmp_path / "r.json"),
+            ]
+        )
         report = run(args)
         after = metrics(engine.url)
         s = report["summary"]
@@ -239,12 +341,20 @@ def test_against_a_dp2_engine_the_reported_hits_match_the_engines_metrics(tmp_pa
         assert s["total_input_tokens"] == 12 * 96
         for rank in (0, 1):
             row = s["per_rank"]["ranks"][str(rank)]
-            assert row["cached_tokens"] == after[("cached_tokens", rank)] - before[("cached_tokens", rank)]
-            assert row["prompt_tokens"] == after[("prompt_tokens", rank)] - before[("prompt_tokens", rank)]
+            assert (
+                row["cached_tokens"]
+                == after[("cached_tokens", rank)] - before[("cached_tokens", rank)]
+            )
+            assert (
+                row["prompt_tokens"]
+                == after[("prompt_tokens", rank)] - before[("prompt_tokens", rank)]
+            )
             assert row["requests"] == after[("requests", rank)] - before[("requests", rank)]
             assert report["engine_metrics"]["ranks"][str(rank)] == row
         cached = sum(after[("cached_tokens", r)] - before[("cached_tokens", r)] for r in (0, 1))
-        assert s["cached_tokens"] == cached and cached % 64 == 0 and cached >= 64 * 4  # whole prefixes only
+        assert (
+            s["cached_tokens"] == cached and cached % 64 == 0 and cached >= 64 * 4
+        )  # whole prefixes only
         assert s["hit_rate"] == pytest.approx(cached / (12 * 96))
         assert json.loads((tmp_path / "r.json").read_text())["summary"]["cached_tokens"] == cached
         assert "Hit rate" in format_report(report)
@@ -252,10 +362,30 @@ def test_against_a_dp2_engine_the_reported_hits_match_the_engines_metrics(tmp_pa
         # The manage.py wrapper, on multi-turn chat: the same flags, the same accounting.
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
-            call_command("bench", "--base-url", engine.url, "--dataset-name", "multi_turn",
-                         "--multi-turn-conversations", "3", "--multi-turn-turns", "2", "--multi-turn-system-len", "64",
-                         "--multi-turn-user-len", "16", "--multi-turn-output-len", "4", "--max-concurrency", "3",
-                         "--engine-metrics-url", engine.url, "--disable-tqdm", "--json", str(tmp_path / "mt.json"))
+            call_command(
+                "bench",
+                "--base-url",
+                engine.url,
+                "--dataset-name",
+                "multi_turn",
+                "--multi-turn-conversations",
+                "3",
+                "--multi-turn-turns",
+                "2",
+                "--multi-turn-system-len",
+                "64",
+                "--multi-turn-user-len",
+                "16",
+                "--multi-turn-output-len",
+                "4",
+                "--max-concurrency",
+                "3",
+                "--engine-metrics-url",
+                engine.url,
+                "--disable-tqdm",
+                "--json",
+                str(tmp_path / "mt.json"),
+            )
         mt = json.loads((tmp_path / "mt.json").read_text())
         assert mt["summary"]["completed"] == 6 and mt["summary"]["cached_tokens"] > 0
         assert mt["summary"]["cached_tokens"] == mt["engine_metrics"]["totals"]["cached_tokens"]

@@ -30,7 +30,11 @@ def _subprocess_env(**overrides: str) -> dict[str, str]:
 def _manage(repo_root: Path, *args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "manage.py", *args],
-        cwd=repo_root, env=env, capture_output=True, text=True, timeout=60,
+        cwd=repo_root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
 
 
@@ -56,7 +60,11 @@ def test_parse_postgres_url_with_encoded_credentials_and_options():
 def test_parse_postgres_url_minimal_leaves_defaults_to_libpq():
     db = parse_database_url("postgres://postgres@127.0.0.1/dpmesh", base_dir=BASE)
     assert (db["NAME"], db["USER"], db["PASSWORD"], db["HOST"], db["PORT"]) == (
-        "dpmesh", "postgres", "", "127.0.0.1", "",
+        "dpmesh",
+        "postgres",
+        "",
+        "127.0.0.1",
+        "",
     )
 
 
@@ -92,7 +100,9 @@ def test_control_plane_settings_are_overridable_and_typed():
     defaults = {"POLICY": "cache_aware", "BALANCE_ABS_THRESHOLD": 64, "REQUEST_TIMEOUT_S": 600.0}
     env = {"CP_POLICY": "round_robin", "CP_REQUEST_TIMEOUT_S": "30"}
     assert namespaced_settings(env, "CP_", defaults) == {
-        "POLICY": "round_robin", "BALANCE_ABS_THRESHOLD": 64, "REQUEST_TIMEOUT_S": 30.0,
+        "POLICY": "round_robin",
+        "BALANCE_ABS_THRESHOLD": 64,
+        "REQUEST_TIMEOUT_S": 30.0,
     }
     with pytest.raises(ValueError, match="CP_BALANCE_ABS_THRESHOLD"):
         namespaced_settings({"CP_BALANCE_ABS_THRESHOLD": "lots"}, "CP_", defaults)
@@ -113,7 +123,11 @@ def test_default_secret_key_with_debug_off_warns(repo_root, secret, warns):
         env["DJANGO_SECRET_KEY"] = secret
     result = subprocess.run(
         [sys.executable, "-c", "import controlplane.settings"],
-        cwd=repo_root, env=env, capture_output=True, text=True, timeout=30,
+        cwd=repo_root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
     )
     assert result.returncode == 0, result.stderr
     assert ("DJANGO_SECRET_KEY is unset" in result.stderr) is warns
@@ -140,9 +154,21 @@ def _wait_for_http(url: str, process: subprocess.Popen, deadline_s: float) -> ht
 def test_daphne_serves_the_admin_login_page(repo_root, free_port, tmp_path):
     env = _subprocess_env(DATABASE_URL=f"sqlite:///{tmp_path}/db.sqlite3")
     server = subprocess.Popen(
-        [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(free_port),
-         "controlplane.asgi:application"],
-        cwd=repo_root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "daphne",
+            "-b",
+            "127.0.0.1",
+            "-p",
+            str(free_port),
+            "controlplane.asgi:application",
+        ],
+        cwd=repo_root,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         response = _wait_for_http(f"http://127.0.0.1:{free_port}/admin/login/", server, 15)
@@ -162,7 +188,9 @@ def add(x, y):
     return x + y
 
 
-@pytest.mark.skipif(bool(os.environ.get("REDIS_URL")), reason="REDIS_URL set: Celery is not in embedded mode")
+@pytest.mark.skipif(
+    bool(os.environ.get("REDIS_URL")), reason="REDIS_URL set: Celery is not in embedded mode"
+)
 def test_celery_runs_tasks_inline_without_redis():
     assert celery_app.conf.task_always_eager is True
     assert add.delay(2, 3).get(timeout=1) == 5

@@ -1,5 +1,6 @@
 """Smoke tests of the in-process benchmark command (no timing assertions: numbers are machine-bound).
 Thread counts are left alone (``main`` and ``--threads`` set torch's process-wide setting)."""
+
 import re
 
 from engine import bench
@@ -29,5 +30,10 @@ def test_time_to_first_token_reports_cache_hits():
 
 def test_table_alignment(capsys):
     bench.print_table("T", ["name", "value"], [["a", 1], ["longer", 22.5]])
-    assert capsys.readouterr().out.splitlines()[1:] == ["T", "name    value", "------  -----", "a           1",
-                                                         "longer   22.5"]
+    assert capsys.readouterr().out.splitlines()[1:] == [
+        "T",
+        "name    value",
+        "------  -----",
+        "a           1",
+        "longer   22.5",
+    ]

@@ -1,5 +1,6 @@
 """BlockManager with toy sizes (8 blocks of 4 tokens): exact hit counts, eviction order, revival,
 reference counts, side-effect-free checks, KV events, integrity checks, and the digest formula."""
+
 from __future__ import annotations
 
 import copy
@@ -31,8 +32,16 @@ def computed(bm: BlockManager, tokens) -> Sequence:
 
 
 def snapshot(bm: BlockManager, *seqs: Sequence):
-    return (copy.deepcopy(bm.blocks), list(bm.free.items()), dict(bm.by_digest), list(bm.events),
-            [(list(s.block_table), s.num_computed_tokens, s.num_cached_tokens, list(s.token_ids)) for s in seqs])
+    return (
+        copy.deepcopy(bm.blocks),
+        list(bm.free.items()),
+        dict(bm.by_digest),
+        list(bm.events),
+        [
+            (list(s.block_table), s.num_computed_tokens, s.num_cached_tokens, list(s.token_ids))
+            for s in seqs
+        ],
+    )
 
 
 @pytest.fixture
@@ -48,7 +57,9 @@ B12 = list(range(200, 212))
 
 
 def reference_digest(parent, tokens) -> int:
-    data = (b"" if parent is None else struct.pack("<Q", parent)) + struct.pack(f"<{len(tokens)}i", *tokens)
+    data = (b"" if parent is None else struct.pack("<Q", parent)) + struct.pack(
+        f"<{len(tokens)}i", *tokens
+    )
     return xxhash.xxh64(data, seed=0).intdigest()
 
 
@@ -57,13 +68,20 @@ def test_digest_formula():
     d0 = block_digest(None, first)
     assert d0 == xxhash.xxh64(struct.pack("<4i", *first), seed=0).intdigest()
     d1 = block_digest(d0, [5, 6, 70000, 2**31 - 1])
-    assert d1 == xxhash.xxh64(struct.pack("<Q", d0) + struct.pack("<4i", 5, 6, 70000, 2**31 - 1), seed=0).intdigest()
+    assert (
+        d1
+        == xxhash.xxh64(
+            struct.pack("<Q", d0) + struct.pack("<4i", 5, 6, 70000, 2**31 - 1), seed=0
+        ).intdigest()
+    )
     # a parent digest with the top bit set still packs as unsigned little-endian
     big = 2**64 - 5
     assert block_digest(big, first) == reference_digest(big, first)
     tokens = list(range(11))  # two full blocks and a partial one: only full blocks have digests
-    assert chain_digests(tokens, BS) == [reference_digest(None, tokens[:4]),
-                                         reference_digest(reference_digest(None, tokens[:4]), tokens[4:8])]
+    assert chain_digests(tokens, BS) == [
+        reference_digest(None, tokens[:4]),
+        reference_digest(reference_digest(None, tokens[:4]), tokens[4:8]),
+    ]
     assert chain_digests(tokens, BS) == [seq(tokens).digest(0), seq(tokens).digest(1)]
 
 
@@ -285,7 +303,7 @@ def test_commit_computed_emits_block_stored(bm):
     assert bm.drain_events() == [BlockStored([s.digest(1), s.digest(2)], s.digest(0), A12[4:], BS)]
     for i, block_id in enumerate(s.block_table[:3]):
         assert bm.blocks[block_id].digest == s.digest(i)
-        assert bm.blocks[block_id].token_ids == tuple(A12[i * 4:(i + 1) * 4])
+        assert bm.blocks[block_id].token_ids == tuple(A12[i * 4 : (i + 1) * 4])
     assert bm.blocks[s.block_table[3]].digest is None
     # a second sequence computing the same blocks in its own copies publishes nothing
     t = seq(A12[:8])
@@ -317,8 +335,10 @@ def test_stored_events_split_at_gaps(bm):
     bm.allocate(b)  # the head is gone, so nothing hits
     assert b.num_computed_tokens == 0
     bm.commit_computed(b, 12)  # publishes blocks 0 and 2; block 1 is r's
-    assert bm.drain_events() == [BlockStored([b.digest(0)], None, prefix[:4], BS),
-                                 BlockStored([b.digest(2)], b.digest(1), [11, 12, 13, 14], BS)]
+    assert bm.drain_events() == [
+        BlockStored([b.digest(0)], None, prefix[:4], BS),
+        BlockStored([b.digest(2)], b.digest(1), [11, 12, 13, 14], BS),
+    ]
 
 
 def test_stored_event_chains_from_parent(bm):
@@ -337,7 +357,12 @@ def test_undrained_events_are_bounded(monkeypatch):
         bm.free_sequence(s)
     assert len(bm.events) == 3
     events = bm.drain_events()
-    assert [type(e) for e in events] == [BlockStored] * 3 and events[-1].token_ids == [40, 41, 42, 43]
+    assert [type(e) for e in events] == [BlockStored] * 3 and events[-1].token_ids == [
+        40,
+        41,
+        42,
+        43,
+    ]
     assert bm.drain_events() == []
 
 
@@ -378,7 +403,9 @@ def test_check_integrity_digest_map(bm):
     s = computed(bm, range(8))
     d0 = s.digest(0)
     bm.by_digest[d0] = s.block_table[1]
-    with pytest.raises(AssertionError, match=f"digest map points {d0:#x} at block {s.block_table[1]}"):
+    with pytest.raises(
+        AssertionError, match=f"digest map points {d0:#x} at block {s.block_table[1]}"
+    ):
         bm.check_integrity()
 
 

@@ -7,6 +7,7 @@ prefix whose KV was written there; every computed position of a live sequence, a
 published block, must hold exactly the right prefix. A router-style mirror fed only by the KV
 events must always equal the set of hittable digests.
 """
+
 from __future__ import annotations
 
 import copy
@@ -23,7 +24,11 @@ from engine.sequence import Sequence
 BS = 4
 NUM_BLOCKS = 12
 # Few distinct token values: equal blocks at different positions (same tokens, other digest) occur.
-PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4], [1, 2, 3, 4, 9, 9, 9, 9, 5, 5, 5, 5], [5, 6, 7, 8] * 3]
+PREFIXES = [
+    [1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4],
+    [1, 2, 3, 4, 9, 9, 9, 9, 5, 5, 5, 5],
+    [5, 6, 7, 8] * 3,
+]
 MAX_TOKENS = 28  # 7 blocks: one sequence never needs the whole pool
 
 
@@ -38,8 +43,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     # ----- helpers ----------------------------------------------------------------------------
     def _state(self):
-        return (copy.deepcopy(self.bm.blocks), list(self.bm.free.items()), dict(self.bm.by_digest),
-                list(self.bm.events), [(list(s.block_table), s.num_computed_tokens) for s in self.live + self.preempted])
+        return (
+            copy.deepcopy(self.bm.blocks),
+            list(self.bm.free.items()),
+            dict(self.bm.by_digest),
+            list(self.bm.events),
+            [(list(s.block_table), s.num_computed_tokens) for s in self.live + self.preempted],
+        )
 
     def _admit(self, s: Sequence) -> bool:
         before = self._state()
@@ -51,7 +61,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         revived = sum(1 for b in hits if self.bm.blocks[b].ref_count == 0)
         free_before = self.bm.num_free_blocks
         self.bm.allocate(s)
-        assert s.block_table[:len(hits)] == hits
+        assert s.block_table[: len(hits)] == hits
         assert s.num_computed_tokens == len(hits) * BS
         assert len(s.block_table) == -(-s.num_tokens // BS)
         assert self.bm.num_free_blocks == free_before - revived - (len(s.block_table) - len(hits))
@@ -61,7 +71,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def _compute(self, s: Sequence, n: int) -> None:
         start = s.num_computed_tokens
         for p in range(start, start + n):
-            self.kv[s.block_table[p // BS]][p % BS] = tuple(s.token_ids[:p + 1])
+            self.kv[s.block_table[p // BS]][p % BS] = tuple(s.token_ids[: p + 1])
         s.num_computed_tokens += n
         self.bm.commit_computed(s, s.num_computed_tokens)
 
@@ -70,8 +80,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert s.block_table == [] and s.num_computed_tokens == 0
 
     # ----- rules --------------------------------------------------------------------------------
-    @rule(prefix=st.sampled_from(PREFIXES), keep=st.integers(0, 12),
-          suffix=st.lists(st.integers(1, 9), max_size=6))
+    @rule(
+        prefix=st.sampled_from(PREFIXES),
+        keep=st.integers(0, 12),
+        suffix=st.lists(st.integers(1, 9), max_size=6),
+    )
     def admit(self, prefix, keep, suffix):
         tokens = prefix[:keep] + suffix
         if tokens:
@@ -94,7 +107,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @precondition(lambda self: any(s.num_computed_tokens == s.num_tokens for s in self.live))
     @rule(i=st.integers(0, 100), token=st.integers(1, 9))
     def decode(self, i, token):
-        done = [s for s in self.live if s.num_computed_tokens == s.num_tokens and s.num_tokens < MAX_TOKENS]
+        done = [
+            s
+            for s in self.live
+            if s.num_computed_tokens == s.num_tokens and s.num_tokens < MAX_TOKENS
+        ]
         if not done:
             return
         s = done[i % len(done)]
@@ -141,7 +158,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def computed_kv_is_right(self):
         for s in self.live:
             for p in range(s.num_computed_tokens):
-                assert self.kv[s.block_table[p // BS]][p % BS] == tuple(s.token_ids[:p + 1]), (s, p)
+                assert self.kv[s.block_table[p // BS]][p % BS] == tuple(s.token_ids[: p + 1]), (
+                    s,
+                    p,
+                )
 
     @invariant()
     def published_blocks_hold_their_prefix(self):
@@ -177,6 +197,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
 
 BlockManagerMachine.TestCase.settings = settings(
-    max_examples=200, stateful_step_count=50, deadline=None,
-    suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+    max_examples=200,
+    stateful_step_count=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+    derandomize=True,
+)
 TestBlockManagerMachine = BlockManagerMachine.TestCase

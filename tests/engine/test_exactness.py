@@ -1,5 +1,6 @@
 """Greedy token ids from the engine equal transformers' ``generate(do_sample=False)``, token for
 token, at every position: batched mixed lengths, prefix-cache hits, chunked prefill, preemption."""
+
 import random
 
 import pytest
@@ -24,9 +25,13 @@ def reference():
         key = (tuple(prompt), max_tokens)
         if key not in memo:
             with torch.inference_mode():
-                out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                     max_new_tokens=max_tokens, do_sample=False)
-            memo[key] = out[0, len(prompt):].tolist()
+                out = model.generate(
+                    torch.tensor([prompt]),
+                    attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                    max_new_tokens=max_tokens,
+                    do_sample=False,
+                )
+            memo[key] = out[0, len(prompt) :].tolist()
         return memo[key]
 
     return generate
@@ -47,7 +52,8 @@ GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
 def assert_same(engine_out, expected):
     assert engine_out["token_ids"] == expected, (
         f"first difference at position "
-        f"{next(i for i, (a, b) in enumerate(zip(engine_out['token_ids'] + [None], expected + [None])) if a != b)}")
+        f"{next(i for i, (a, b) in enumerate(zip(engine_out['token_ids'] + [None], expected + [None])) if a != b)}"
+    )
 
 
 def test_batch_of_mixed_lengths(reference):
@@ -66,7 +72,9 @@ def test_prefix_cache_hits(reference):
     first = shared + random_prompt(rng, 7)
     engine = make_engine()
     assert_same(engine.generate([first], GREEDY)[0], reference(first))
-    follow = [shared + random_prompt(rng, n) for n in (1, 20, 45)] + [shared[:100] + random_prompt(rng, 30)]
+    follow = [shared + random_prompt(rng, n) for n in (1, 20, 45)] + [
+        shared[:100] + random_prompt(rng, 30)
+    ]
     outs = engine.generate(follow, GREEDY)
     # 160 shared tokens = 10 blocks; the 100-token head gives 6 full blocks.
     assert [o["num_cached_tokens"] for o in outs] == [160, 160, 160, 96]

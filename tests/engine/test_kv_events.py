@@ -2,6 +2,7 @@
 stored/removed digests in order; the digests are the chained block digests of the prompt (what a
 router computes), evictions are reported, and a new reader's snapshot equals what an old reader
 built from the events. A rank that dies reports its cache gone."""
+
 import json
 import os
 import signal
@@ -36,7 +37,7 @@ class Reader:
                 self._response = r
                 for line in r.iter_lines():
                     if line.startswith("data: "):
-                        self._apply(json.loads(line[len("data: "):]))
+                        self._apply(json.loads(line[len("data: ") :]))
         except httpx.HTTPError:
             pass
 
@@ -59,14 +60,19 @@ class Reader:
 
 
 def complete(url: str, prompt: list[int], rank: int) -> dict:
-    r = httpx.post(url + "/v1/completions", timeout=60,
-                   json={"prompt": prompt, "max_tokens": 1, "temperature": 0, "data_parallel_rank": rank})
+    r = httpx.post(
+        url + "/v1/completions",
+        timeout=60,
+        json={"prompt": prompt, "max_tokens": 1, "temperature": 0, "data_parallel_rank": rank},
+    )
     assert r.status_code == 200, r.text
     return r.json()
 
 
 def test_kv_events_follow_the_prefix_cache(tmp_path):
-    with start_engine(tmp_path, "--dp-size", "2", "--num-kv-blocks", "32", "--block-size", str(BLOCK)) as engine:
+    with start_engine(
+        tmp_path, "--dp-size", "2", "--num-kv-blocks", "32", "--block-size", str(BLOCK)
+    ) as engine:
         assert httpx.get(engine.url + "/server_info").json()["kv_events"] == "/kv_events"
         first = Reader(engine.url)
         try:
@@ -82,9 +88,13 @@ def test_kv_events_follow_the_prefix_cache(tmp_path):
             # three other 200-token prompts need 39 blocks of rank 1's 32: the first prompt's go
             for i in range(3):
                 complete(engine.url, [i + 1] * 200, rank=1)
-            assert wait_for(lambda: set(expected) <= set(first.removed.get(1, ())), timeout=10), first.removed
+            assert wait_for(lambda: set(expected) <= set(first.removed.get(1, ())), timeout=10), (
+                first.removed
+            )
             assert not first.cached[1] & set(expected)
-            again = complete(engine.url, prompt, rank=1)  # the engine agrees: nothing of it is cached
+            again = complete(
+                engine.url, prompt, rank=1
+            )  # the engine agrees: nothing of it is cached
             assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
             second = Reader(engine.url)  # a late reader starts from where the events have led
@@ -93,7 +103,9 @@ def test_kv_events_follow_the_prefix_cache(tmp_path):
                 assert wait_for(lambda: second.cached == first.cached, timeout=10)
                 assert set(expected) <= second.cached[1]  # the repeated prompt is back
                 m = metrics(engine.url)
-                assert len(second.cached[1]) == m[("kv_blocks_cached", 1)] + m[("kv_blocks_used", 1)]
+                assert (
+                    len(second.cached[1]) == m[("kv_blocks_cached", 1)] + m[("kv_blocks_used", 1)]
+                )
             finally:
                 second.close()
 

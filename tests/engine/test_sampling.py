@@ -1,5 +1,6 @@
 """Sampling parameters, the sampler, stop conditions and incremental detokenization, on the tiny
 model (one engine for the module) and on hand-made logits."""
+
 from __future__ import annotations
 
 import math
@@ -34,7 +35,9 @@ def run(engine: LLMEngine, prompt, **params) -> dict:
     return engine.generate([prompt], SamplingParams(**params))[0]
 
 
-def stream(engine: LLMEngine, prompt, params: SamplingParams, request_id: str = "s") -> tuple[list[str], list[int], str]:
+def stream(
+    engine: LLMEngine, prompt, params: SamplingParams, request_id: str = "s"
+) -> tuple[list[str], list[int], str]:
     """(text deltas, token ids, finish reason) of one request stepped alone."""
     engine.add_request(request_id, prompt, params)
     deltas, ids, reason = [], [], None
@@ -49,13 +52,29 @@ def stream(engine: LLMEngine, prompt, params: SamplingParams, request_id: str = 
 # ----- SamplingParams ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kwargs", [
-    {"temperature": -0.1}, {"temperature": True}, {"temperature": "1"},
-    {"top_p": 0}, {"top_p": 0.0}, {"top_p": 1.01}, {"top_p": -0.5}, {"top_p": True},
-    {"max_tokens": 0}, {"max_tokens": -3}, {"max_tokens": True}, {"max_tokens": 2.0},
-    {"top_k": -2}, {"top_k": True}, {"top_k": 1.5},
-    {"seed": True}, {"seed": "7"}, {"seed": 1.0},
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"temperature": -0.1},
+        {"temperature": True},
+        {"temperature": "1"},
+        {"top_p": 0},
+        {"top_p": 0.0},
+        {"top_p": 1.01},
+        {"top_p": -0.5},
+        {"top_p": True},
+        {"max_tokens": 0},
+        {"max_tokens": -3},
+        {"max_tokens": True},
+        {"max_tokens": 2.0},
+        {"top_k": -2},
+        {"top_k": True},
+        {"top_k": 1.5},
+        {"seed": True},
+        {"seed": "7"},
+        {"seed": 1.0},
+    ],
+)
 def test_sampling_params_rejects(kwargs):
     with pytest.raises(ValueError):
         SamplingParams(**kwargs)
@@ -89,19 +108,25 @@ def test_filter_top_k_and_top_p():
 
 def test_sampler_draws_only_allowed_tokens():
     logits = torch.log(torch.tensor([[0.1, 0.5, 0.05, 0.3, 0.05]] * 2))
-    seqs = [Sequence([1], SamplingParams(temperature=1.0, top_k=2, seed=3)),
-            Sequence([1], SamplingParams(temperature=1.0, top_p=0.6, seed=4))]
+    seqs = [
+        Sequence([1], SamplingParams(temperature=1.0, top_k=2, seed=3)),
+        Sequence([1], SamplingParams(temperature=1.0, top_p=0.6, seed=4)),
+    ]
     drawn = [sample(logits, seqs, torch.Generator().manual_seed(0)) for _ in range(300)]
     assert {d[0] for d in drawn} == {1, 3}
     assert {d[1] for d in drawn} == {1, 3}
     plain = Sequence([1], SamplingParams(temperature=1.0))
-    assert {sample(logits[:1], [plain], torch.Generator().manual_seed(i))[0] for i in range(300)} == {0, 1, 2, 3, 4}
+    assert {
+        sample(logits[:1], [plain], torch.Generator().manual_seed(i))[0] for i in range(300)
+    } == {0, 1, 2, 3, 4}
 
 
 def test_seeded_request_ignores_its_batch():
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1))
     p = SamplingParams(temperature=1.0, seed=42)
-    alone = [sample(logits[:1], [s], torch.Generator())[0] for s in [Sequence([1], p)] for _ in range(10)]
+    alone = [
+        sample(logits[:1], [s], torch.Generator())[0] for s in [Sequence([1], p)] for _ in range(10)
+    ]
     s = Sequence([1], p)
     others = [Sequence([1], SamplingParams(temperature=1.0)) for _ in range(2)]
     batched = [sample(logits, [s, *others], torch.Generator().manual_seed(i))[0] for i in range(10)]
@@ -112,27 +137,41 @@ def test_seeded_request_ignores_its_batch():
 
 
 def test_greedy_variants_agree(engine, prompts):
-    variants = [SamplingParams(max_tokens=N, ignore_eos=True, **kw) for kw in (
-        {"temperature": 0}, {"temperature": 1.0, "top_k": 1}, {"temperature": 1.0, "top_p": 1e-6, "seed": 5},
-        {"temperature": 0, "seed": 99}, {"temperature": 0.5, "top_p": 1e-6})]
+    variants = [
+        SamplingParams(max_tokens=N, ignore_eos=True, **kw)
+        for kw in (
+            {"temperature": 0},
+            {"temperature": 1.0, "top_k": 1},
+            {"temperature": 1.0, "top_p": 1e-6, "seed": 5},
+            {"temperature": 0, "seed": 99},
+            {"temperature": 0.5, "top_p": 1e-6},
+        )
+    ]
     outs = engine.generate([p for p in prompts for _ in variants], variants * len(prompts))
     for i, prompt in enumerate(prompts):
-        ids = [o["token_ids"] for o in outs[i * len(variants):(i + 1) * len(variants)]]
+        ids = [o["token_ids"] for o in outs[i * len(variants) : (i + 1) * len(variants)]]
         assert len(ids[0]) == N
         assert ids == [ids[0]] * len(variants)
-        assert run(engine, prompt, temperature=0, ignore_eos=True)["token_ids"] == ids[0]  # alone == batched
+        assert (
+            run(engine, prompt, temperature=0, ignore_eos=True)["token_ids"] == ids[0]
+        )  # alone == batched
 
 
 def test_same_seed_same_output_in_any_batch(engine, prompts):
     params = SamplingParams(max_tokens=N, temperature=1.0, seed=1234, ignore_eos=True)
     alone = engine.generate([prompts[1]], params)[0]["token_ids"]
-    mixed = [SamplingParams(max_tokens=N, temperature=1.0, ignore_eos=True), params,
-             SamplingParams(max_tokens=N, temperature=0.8, seed=7, ignore_eos=True)]
+    mixed = [
+        SamplingParams(max_tokens=N, temperature=1.0, ignore_eos=True),
+        params,
+        SamplingParams(max_tokens=N, temperature=0.8, seed=7, ignore_eos=True),
+    ]
     batched = engine.generate([prompts[0], prompts[1], prompts[2]], mixed)[1]["token_ids"]
     assert batched == alone
     other_seed = run(engine, prompts[1], temperature=1.0, seed=1235, ignore_eos=True)["token_ids"]
     assert other_seed != alone
-    assert run(engine, prompts[1], temperature=1.0, seed=1234, ignore_eos=True)["token_ids"] == alone
+    assert (
+        run(engine, prompts[1], temperature=1.0, seed=1234, ignore_eos=True)["token_ids"] == alone
+    )
 
 
 def test_max_tokens_finishes_with_length(engine, prompts):
@@ -146,7 +185,7 @@ def test_stop_token_ids(engine, prompts):
     stop_id = full[6]
     cut = full.index(stop_id)  # its first occurrence
     out = run(engine, prompts[2], temperature=0, ignore_eos=True, stop_token_ids=[stop_id])
-    assert out["token_ids"] == full[:cut + 1]
+    assert out["token_ids"] == full[: cut + 1]
     assert out["finish_reason"] == "stop"
 
 
@@ -158,7 +197,7 @@ def test_eos_stops_unless_ignored(engine, prompts):
     engine.eos_token_ids = {eos}
     try:
         out = run(engine, prompts[0], temperature=0)
-        assert (out["token_ids"], out["finish_reason"]) == (full[:full.index(eos) + 1], "stop")
+        assert (out["token_ids"], out["finish_reason"]) == (full[: full.index(eos) + 1], "stop")
         assert run(engine, prompts[0], temperature=0, ignore_eos=True)["token_ids"] == full
     finally:
         engine.eos_token_ids = saved
@@ -166,7 +205,10 @@ def test_eos_stops_unless_ignored(engine, prompts):
 
 def token_boundaries(engine, ids: list[int]) -> list[int]:
     """Character offsets in the decoded text where each token's text ends."""
-    return [len(engine.tokenizer.decode(ids[:i + 1], skip_special_tokens=True)) for i in range(len(ids))]
+    return [
+        len(engine.tokenizer.decode(ids[: i + 1], skip_special_tokens=True))
+        for i in range(len(ids))
+    ]
 
 
 def test_stop_strings_are_cut_and_never_streamed(engine, prompts):
@@ -175,14 +217,23 @@ def test_stop_strings_are_cut_and_never_streamed(engine, prompts):
     full = engine.tokenizer.decode(ids, skip_special_tokens=True)
     ends = token_boundaries(engine, ids)
     # a stop string that straddles a token boundary, somewhere in the middle of the output
-    b = next(e for e in ends[len(ends) // 2:] if 3 <= e <= len(full) - 3 and full[e - 2:e + 2].strip())
-    for stop in ([full[b - 2:b + 2]], [full[b - 2:b + 2], "\x00never"], [full[b:b + 3], full[b - 2:b + 2]]):
-        expected = full[:min(full.find(s) for s in stop if s in full)]
-        deltas, out_ids, reason = stream(engine, prompts[1], SamplingParams(max_tokens=N, temperature=0,
-                                                                           ignore_eos=True, stop=stop))
+    b = next(
+        e for e in ends[len(ends) // 2 :] if 3 <= e <= len(full) - 3 and full[e - 2 : e + 2].strip()
+    )
+    for stop in (
+        [full[b - 2 : b + 2]],
+        [full[b - 2 : b + 2], "\x00never"],
+        [full[b : b + 3], full[b - 2 : b + 2]],
+    ):
+        expected = full[: min(full.find(s) for s in stop if s in full)]
+        deltas, out_ids, reason = stream(
+            engine,
+            prompts[1],
+            SamplingParams(max_tokens=N, temperature=0, ignore_eos=True, stop=stop),
+        )
         assert reason == "stop"
         assert "".join(deltas) == expected
-        assert out_ids == ids[:len(out_ids)] and len(out_ids) < len(ids)
+        assert out_ids == ids[: len(out_ids)] and len(out_ids) < len(ids)
         # generation ends with the token that completes the first stop string
         completes = min(full.find(s) + len(s) for s in stop if s in full)
         assert len(out_ids) == next(k + 1 for k, end in enumerate(ends) if end >= completes)

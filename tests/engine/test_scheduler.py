@@ -5,6 +5,7 @@ lines with exact counts.
 The first half drives ``Scheduler`` + ``BlockManager`` alone with a fake model (every sampling
 item appends a made-up token), so it needs no weights and can check every step exactly.
 """
+
 from __future__ import annotations
 
 import logging
@@ -23,8 +24,12 @@ BS = 4
 
 
 def make_scheduler(num_blocks=64, max_num_seqs=8, budget=16) -> Scheduler:
-    config = EngineConfig(block_size=BS, num_kv_blocks=num_blocks, max_num_seqs=max_num_seqs,
-                          max_num_batched_tokens=budget)
+    config = EngineConfig(
+        block_size=BS,
+        num_kv_blocks=num_blocks,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+    )
     return Scheduler(config, BlockManager(num_blocks, BS))
 
 
@@ -33,8 +38,11 @@ _next_token = iter(range(10_000, 10**9))
 
 def new_seq(prompt_len: int, max_tokens: int = 3) -> Sequence:
     """A sequence with its own distinct tokens (no accidental prefix hits)."""
-    return Sequence([next(_next_token) for _ in range(prompt_len)],
-                    SamplingParams(max_tokens=max_tokens, temperature=0), block_size=BS)
+    return Sequence(
+        [next(_next_token) for _ in range(prompt_len)],
+        SamplingParams(max_tokens=max_tokens, temperature=0),
+        block_size=BS,
+    )
 
 
 def step(sched: Scheduler) -> ScheduledBatch:
@@ -78,7 +86,10 @@ def test_fcfs_admission_and_max_num_seqs():
         assert len(batch.items) <= 2
         first_seen += [item.seq.seq_id for item in batch.items if item.seq.seq_id not in first_seen]
     assert first_seen == [s.seq_id for s in seqs]
-    assert all(s.finish_reason == "length" and s.output_token_ids == list(range(s.params.max_tokens)) for s in seqs)
+    assert all(
+        s.finish_reason == "length" and s.output_token_ids == list(range(s.params.max_tokens))
+        for s in seqs
+    )
 
 
 def test_max_num_seqs_caps_running():
@@ -130,7 +141,9 @@ def test_budget_is_never_exceeded_with_many_requests():
 
 def test_preemption_when_blocks_run_out_and_all_finish():
     sched = make_scheduler(num_blocks=8, budget=16)
-    seqs = [new_seq(6, max_tokens=10) for _ in range(3)]  # each ends at 16 tokens = 4 blocks; 12 > 8
+    seqs = [
+        new_seq(6, max_tokens=10) for _ in range(3)
+    ]  # each ends at 16 tokens = 4 blocks; 12 > 8
     for s in seqs:
         sched.add(s)
     batches = run_all(sched)
@@ -153,7 +166,10 @@ def test_preemption_picks_the_latest_running_sequence_which_resumes_from_cache()
     assert batch.preempted == [b]
     assert chunks(batch) == [(a.seq_id, 8, 1)]
     assert a.is_finished  # (and freed: its tail block was b's, now without a digest)
-    assert sched.block_manager.blocks[tail].digest is None and sched.block_manager.blocks[head].digest is not None
+    assert (
+        sched.block_manager.blocks[tail].digest is None
+        and sched.block_manager.blocks[head].digest is not None
+    )
     assert b.status is SequenceStatus.WAITING and b.block_table == [] and b.num_preemptions == 1
     assert list(sched.waiting) == [b] and b.output_token_ids == [0]
     # b comes back with its prompt and its one output token; its head block is still cached
@@ -206,7 +222,13 @@ def test_abort_in_any_state_frees_blocks(when):
 
 
 def tiny_engine(**kw) -> LLMEngine:
-    kw = {"block_size": BS, "num_kv_blocks": 128, "max_num_batched_tokens": 16, "max_num_seqs": 4, **kw}
+    kw = {
+        "block_size": BS,
+        "num_kv_blocks": 128,
+        "max_num_batched_tokens": 16,
+        "max_num_seqs": 4,
+        **kw,
+    }
     return LLMEngine(EngineConfig(model="tiny", **kw))
 
 
@@ -219,9 +241,13 @@ def test_engine_abort_waiting_mid_prefill_and_decoding():
     rng = random.Random(7)
     keep_going = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
     engine.add_request("decoding", random_ids(rng, 5), keep_going)
-    long = engine.add_request("long", random_ids(rng, 60), SamplingParams(max_tokens=5, temperature=0))
+    long = engine.add_request(
+        "long", random_ids(rng, 60), SamplingParams(max_tokens=5, temperature=0)
+    )
     waiting = engine.add_request("waiting", random_ids(rng, 10), keep_going)
-    engine.add_request("other", random_ids(rng, 7), SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    engine.add_request(
+        "other", random_ids(rng, 7), SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    )
     engine.step()
     engine.step()
     assert 0 < long.num_computed_tokens < long.num_prompt_tokens  # chunked prefill in progress
@@ -250,8 +276,10 @@ def test_engine_abort_waiting_mid_prefill_and_decoding():
 def test_engine_preemption_everything_finishes():
     engine = tiny_engine(num_kv_blocks=12, max_num_batched_tokens=32)
     rng = random.Random(8)
-    outs = engine.generate([random_ids(rng, 10) for _ in range(4)],
-                           SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+    outs = engine.generate(
+        [random_ids(rng, 10) for _ in range(4)],
+        SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),
+    )
     assert engine.scheduler.num_preemptions > 0
     assert [(len(o["token_ids"]), o["finish_reason"]) for o in outs] == [(20, "length")] * 4
     assert engine.block_manager.usage().used == 0
@@ -268,7 +296,9 @@ def test_cache_stats_lines_with_exact_counts(caplog):
     p1 = random_ids(rng, 20)
     prompts = [p1, p1[:16] + random_ids(rng, 4), random_ids(rng, 20), p1[:12] + random_ids(rng, 8)]
     params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
-    cached = [engine.generate([p], params)[0]["num_cached_tokens"] for p in prompts]  # one at a time
+    cached = [
+        engine.generate([p], params)[0]["num_cached_tokens"] for p in prompts
+    ]  # one at a time
     assert cached == [0, 16, 0, 12]
     stats = [line for line in engine_lines(caplog) if line.startswith("[Cache Stats")]
     assert stats == [
@@ -284,11 +314,16 @@ def test_cache_stats_count_a_request_once_despite_chunks_and_preemption(caplog):
     caplog.set_level(logging.INFO, logger="engine")
     engine = tiny_engine(num_kv_blocks=12, max_num_batched_tokens=8, stats_interval=4)
     rng = random.Random(10)
-    engine.generate([random_ids(rng, 10) for _ in range(4)], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+    engine.generate(
+        [random_ids(rng, 10) for _ in range(4)],
+        SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),
+    )
     assert engine.scheduler.num_preemptions > 0
     stats = [line for line in engine_lines(caplog) if line.startswith("[Cache Stats")]
-    assert stats == ["[Cache Stats Interval] Reqs: 4, Cached/Total tokens: 0/40, Hit rate: 0.00%",
-                     "[Cache Stats         ] Reqs: 4, Cached/Total tokens: 0/40, Hit rate: 0.00%"]
+    assert stats == [
+        "[Cache Stats Interval] Reqs: 4, Cached/Total tokens: 0/40, Hit rate: 0.00%",
+        "[Cache Stats         ] Reqs: 4, Cached/Total tokens: 0/40, Hit rate: 0.00%",
+    ]
 
 
 def test_scheduled_prefill_batch_lines(caplog):
@@ -319,7 +354,9 @@ def test_scheduled_prefill_batch_lines(caplog):
     ]
     assert first.num_cached_tokens == 0 and hit.num_cached_tokens == 20
     caplog.clear()
-    again = engine.add_request("again", long_ids[:32] + random_ids(rng, 20), params)  # 2 blocks hit, then 20 new
+    again = engine.add_request(
+        "again", long_ids[:32] + random_ids(rng, 20), params
+    )  # 2 blocks hit, then 20 new
     while engine.has_unfinished_requests():
         engine.step()
     assert [line for line in engine_lines(caplog) if line.startswith("Scheduled")] == [
@@ -330,8 +367,12 @@ def test_scheduled_prefill_batch_lines(caplog):
 
 def test_log_prefix_names_the_rank(caplog):
     caplog.set_level(logging.INFO, logger="engine")
-    engine = LLMEngine(EngineConfig(model="tiny", block_size=BS, num_kv_blocks=32), log_prefix="[DP3]")
+    engine = LLMEngine(
+        EngineConfig(model="tiny", block_size=BS, num_kv_blocks=32), log_prefix="[DP3]"
+    )
     seq = engine.add_request("r", [11, 12, 13], SamplingParams(max_tokens=1, temperature=0))
     engine.step()
-    assert f"[DP3] Scheduled prefill batch: 1 reqs, 3 new tokens (cached: [0], new: [3]), req_ids: ({seq.seq_id},)" \
+    assert (
+        f"[DP3] Scheduled prefill batch: 1 reqs, 3 new tokens (cached: [0], new: [3]), req_ids: ({seq.seq_id},)"
         in engine_lines(caplog)
+    )

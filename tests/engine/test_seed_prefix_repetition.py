@@ -2,6 +2,7 @@
 suffixes, 100 prompts, concurrency 1) against a dp 4 engine. Pinned with data_parallel_rank, every
 request after the first of its prefix hits exactly the prefix's 32 blocks; the rank logs and
 /metrics must show exactly that. Unpinned round robin must show fewer."""
+
 import random
 import re
 
@@ -21,8 +22,13 @@ def prefix_repetition(seed: int) -> list[tuple[int, list[int]]]:
     """(prefix index, token ids) per prompt: random prefixes, a fresh random suffix each, shuffled."""
     rng = random.Random(seed)
     prefixes = [[rng.randrange(8, 4096) for _ in range(PREFIX_LEN)] for _ in range(NUM_PREFIXES)]
-    prompts = [(i % NUM_PREFIXES, prefixes[i % NUM_PREFIXES] + [rng.randrange(8, 4096) for _ in range(SUFFIX_LEN)])
-               for i in range(NUM_PROMPTS)]
+    prompts = [
+        (
+            i % NUM_PREFIXES,
+            prefixes[i % NUM_PREFIXES] + [rng.randrange(8, 4096) for _ in range(SUFFIX_LEN)],
+        )
+        for i in range(NUM_PROMPTS)
+    ]
     rng.shuffle(prompts)
     return prompts
 
@@ -59,8 +65,17 @@ def cache_stats_lines(log: str, rank: int) -> list[tuple[int, int, int]]:
 
 
 def test_pinned_prefixes_hit_exactly_and_round_robin_hits_less(tmp_path):
-    with start_engine(tmp_path, "--dp-size", str(DP), "--num-kv-blocks", "1024", "--dp-load-balance", "round_robin",
-                      "--cache-stats-interval", str(INTERVAL)) as engine:
+    with start_engine(
+        tmp_path,
+        "--dp-size",
+        str(DP),
+        "--num-kv-blocks",
+        "1024",
+        "--dp-load-balance",
+        "round_robin",
+        "--cache-stats-interval",
+        str(INTERVAL),
+    ) as engine:
         pinned = run(engine.url, prefix_repetition(seed=0), pin=True)
         expected = expected_cached(pinned)
         m = metrics(engine.url)
@@ -74,8 +89,10 @@ def test_pinned_prefixes_hit_exactly_and_round_robin_hits_less(tmp_path):
             last = (n // INTERVAL) * INTERVAL
             assert lines[-1] == (last, sum(expected[rank][:last]), last * (PREFIX_LEN + SUFFIX_LEN))
         assert sum(sum(v) for v in expected.values()) == (NUM_PROMPTS - NUM_PREFIXES) * 512
-        assert re.search(r"\[DP\d\].*Scheduled prefill batch: 1 reqs, 128 new tokens \(cached: \[512\], new: \[128\]\)",
-                         log)
+        assert re.search(
+            r"\[DP\d\].*Scheduled prefill batch: 1 reqs, 128 new tokens \(cached: \[512\], new: \[128\]\)",
+            log,
+        )
 
         # Unpinned, round robin, with fresh prefixes: each prefix must warm several ranks.
         before = sum(m[("cached_tokens", r)] for r in range(DP))
@@ -84,4 +101,6 @@ def test_pinned_prefixes_hit_exactly_and_round_robin_hits_less(tmp_path):
         rr_cached = sum(after[("cached_tokens", r)] for r in range(DP)) - before
         assert rr_cached == sum(sum(v) for v in expected_cached(unpinned).values())
         assert rr_cached < (NUM_PROMPTS - NUM_PREFIXES) * 512
-        print(f"pinned cached {(NUM_PROMPTS - NUM_PREFIXES) * 512} tokens, round robin {int(rr_cached)}")
+        print(
+            f"pinned cached {(NUM_PROMPTS - NUM_PREFIXES) * 512} tokens, round robin {int(rr_cached)}"
+        )

@@ -1,5 +1,6 @@
 """A real ``manage.py runengine`` (tiny model, dp_size 2) over real HTTP: rank hints on every
 path, bad input, aborted streams, the openai client."""
+
 import json
 
 import httpx
@@ -17,8 +18,17 @@ MAX_MODEL_LEN = 512
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("engine")
-    with start_engine(tmp, "--dp-size", str(DP), "--num-kv-blocks", "256", "--max-model-len", str(MAX_MODEL_LEN),
-                      "--max-body-bytes", "65536") as server:
+    with start_engine(
+        tmp,
+        "--dp-size",
+        str(DP),
+        "--num-kv-blocks",
+        "256",
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--max-body-bytes",
+        "65536",
+    ) as server:
         yield server
 
 
@@ -84,28 +94,49 @@ def test_invalid_rank_in_body_is_400(engine, endpoint, stream, value):
 
 @pytest.mark.parametrize("value", ["-1", str(DP), "1.5", "one", "0x1"])
 def test_invalid_rank_in_header_is_400(engine, value):
-    r = post(engine.url, "completions", body_for("completions", False), {"X-data-parallel-rank": value})
+    r = post(
+        engine.url, "completions", body_for("completions", False), {"X-data-parallel-rank": value}
+    )
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "X-data-parallel-rank"
 
 
 def test_unhinted_requests_spread_over_ranks(engine):
-    ranks = [int(post(engine.url, "completions", body_for("completions", False)).headers["x-data-parallel-rank"])
-             for _ in range(6)]
+    ranks = [
+        int(
+            post(engine.url, "completions", body_for("completions", False)).headers[
+                "x-data-parallel-rank"
+            ]
+        )
+        for _ in range(6)
+    ]
     assert set(ranks) == set(range(DP)), ranks
 
 
 def test_server_info_and_models(engine):
     info = httpx.get(engine.url + "/server_info").json()
-    for key in ("dp_size", "model_id", "served_model_name", "model_path", "tp_size", "block_size",
-                "num_kv_blocks_per_rank", "max_model_len"):
+    for key in (
+        "dp_size",
+        "model_id",
+        "served_model_name",
+        "model_path",
+        "tp_size",
+        "block_size",
+        "num_kv_blocks_per_rank",
+        "max_model_len",
+    ):
         assert key in info
-    assert info["dp_size"] == DP and info["block_size"] == 16 and info["num_kv_blocks_per_rank"] == 256
+    assert (
+        info["dp_size"] == DP and info["block_size"] == 16 and info["num_kv_blocks_per_rank"] == 256
+    )
     assert httpx.get(engine.url + "/get_server_info").json()["dp_size"] == DP
     assert httpx.get(engine.url + "/v1/models").json()["data"][0]["id"] == "tiny"
     assert httpx.get(engine.url + "/health").status_code == 200
     # one id per engine start, on both: routers compare it to notice a restart (empty caches)
-    assert len(info["instance_id"]) == 32 and httpx.get(engine.url + "/health").json()["instance_id"] == info["instance_id"]
+    assert (
+        len(info["instance_id"]) == 32
+        and httpx.get(engine.url + "/health").json()["instance_id"] == info["instance_id"]
+    )
 
 
 BAD_INPUTS = [
@@ -154,10 +185,17 @@ def test_wrong_method_and_path(engine):
 
 
 def test_aborted_streams_and_bad_input_leave_nothing_held(engine):
-    aborts_before = sum(v for (name, _), v in metrics(engine.url).items() if name == "request_aborts")
+    aborts_before = sum(
+        v for (name, _), v in metrics(engine.url).items() if name == "request_aborts"
+    )
     for i in range(6):
-        body = body_for("completions", True, max_tokens=400, ignore_eos=True, data_parallel_rank=i % DP)
-        with httpx.Client(timeout=60) as client, client.stream("POST", engine.url + "/v1/completions", json=body) as r:
+        body = body_for(
+            "completions", True, max_tokens=400, ignore_eos=True, data_parallel_rank=i % DP
+        )
+        with (
+            httpx.Client(timeout=60) as client,
+            client.stream("POST", engine.url + "/v1/completions", json=body) as r,
+        ):
             assert r.status_code == 200
             next(r.iter_lines())  # one chunk arrived: the request is running; now hang up
     for endpoint, body, _ in BAD_INPUTS:
@@ -165,8 +203,17 @@ def test_aborted_streams_and_bad_input_leave_nothing_held(engine):
 
     def settled():
         m = metrics(engine.url)
-        held = [m[(name, r)] for name in ("kv_blocks_used", "inflight_requests", "inflight_prompt_tokens",
-                                          "num_requests_running", "num_requests_waiting") for r in range(DP)]
+        held = [
+            m[(name, r)]
+            for name in (
+                "kv_blocks_used",
+                "inflight_requests",
+                "inflight_prompt_tokens",
+                "num_requests_running",
+                "num_requests_waiting",
+            )
+            for r in range(DP)
+        ]
         return m if not any(held) else None
 
     m = wait_for(settled, timeout=20)
@@ -177,19 +224,38 @@ def test_aborted_streams_and_bad_input_leave_nothing_held(engine):
 
 def test_openai_client_unmodified(engine):
     client = openai.OpenAI(base_url=engine.url + "/v1", api_key="unused")
-    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hello"}],
-                                          max_tokens=5, temperature=0)
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=5, temperature=0
+    )
     assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 5
     assert chat.usage.prompt_tokens_details.cached_tokens == 0
     comp = client.completions.create(model="tiny", prompt="hello", max_tokens=5, temperature=0)
-    assert comp.choices[0].finish_reason == "length" and comp.usage.total_tokens == comp.usage.prompt_tokens + 5
-    chunks = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hello"}],
-                                                 max_tokens=5, temperature=0, stream=True,
-                                                 stream_options={"include_usage": True}))
+    assert (
+        comp.choices[0].finish_reason == "length"
+        and comp.usage.total_tokens == comp.usage.prompt_tokens + 5
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "hello"}],
+            max_tokens=5,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[-1].usage.completion_tokens == 5 and chunks[-1].choices == []
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert streamed == chat.choices[0].message.content  # greedy: same text either way
-    comp_chunks = list(client.completions.create(model="tiny", prompt="hello", max_tokens=5, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True}))
+    comp_chunks = list(
+        client.completions.create(
+            model="tiny",
+            prompt="hello",
+            max_tokens=5,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(c.choices[0].text for c in comp_chunks if c.choices) == comp.choices[0].text
     assert comp_chunks[-1].usage.prompt_tokens == comp.usage.prompt_tokens

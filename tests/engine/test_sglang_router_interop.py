@@ -1,6 +1,7 @@
 """Interop with a router nobody here wrote: SGLang's router (PyPI ``sglang-router``) in
 ``--dp-aware`` mode discovers our dp_size through /server_info and injects data_parallel_rank;
 the engine's per-rank metrics show every rank served its share."""
+
 import shutil
 import sys
 from pathlib import Path
@@ -18,15 +19,33 @@ DP = 2
 def router_cmd(worker: str, port: int, policy: str) -> list[str]:
     exe = shutil.which("sglang-router", path=str(Path(sys.executable).parent))
     assert exe, "sglang-router is a test dependency (requirements.txt)"
-    return [exe, "launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls", worker, "--dp-aware",
-            "--policy", policy, "--log-level", "warn"]
+    return [
+        exe,
+        "launch",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--worker-urls",
+        worker,
+        "--dp-aware",
+        "--policy",
+        policy,
+        "--log-level",
+        "warn",
+    ]
 
 
 def test_sglang_router_dp_aware_ranks_are_honoured(tmp_path):
     with start_engine(tmp_path, "--dp-size", str(DP), "--num-kv-blocks", "128") as engine:
         port = free_port()
-        with start(router_cmd(engine.url, port, "round_robin"), f"http://127.0.0.1:{port}",
-                   tmp_path / "router.log", health="/health", timeout=60) as router:
+        with start(
+            router_cmd(engine.url, port, "round_robin"),
+            f"http://127.0.0.1:{port}",
+            tmp_path / "router.log",
+            health="/health",
+            timeout=60,
+        ) as router:
             before = metrics(engine.url)
             n = 8
             for i in range(n):
@@ -41,4 +60,6 @@ def test_sglang_router_dp_aware_ranks_are_honoured(tmp_path):
                 assert r.status_code == 200, r.text
             after = metrics(engine.url)
             served = [after[("requests", r)] - before[("requests", r)] for r in range(DP)]
-            assert served == [n // DP] * DP, f"per-rank requests through sglang-router: {served}\n{router.log()}"
+            assert served == [n // DP] * DP, (
+                f"per-rank requests through sglang-router: {served}\n{router.log()}"
+            )

@@ -1,4 +1,5 @@
 """Tests for the built-in tiny model (engine/tiny.py): build, determinism, loading, concurrency."""
+
 from __future__ import annotations
 
 import json
@@ -40,11 +41,17 @@ def _file_bytes(model_dir: Path) -> dict[str, bytes]:
 def test_layout(built):
     assert built.name == MODEL_DIR_NAME
     names = {p.name for p in built.iterdir()}
-    assert {"config.json", "generation_config.json", "model.safetensors",
-            "tokenizer.json", "tokenizer_config.json"} <= names
+    assert {
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    } <= names
     # Nothing but the finished model and the lock file is left in the cache root.
     assert sorted(p.name for p in built.parent.iterdir()) == sorted(
-        [MODEL_DIR_NAME, f".tiny-llama-{tiny.TINY_MODEL_VERSION}.lock"])
+        [MODEL_DIR_NAME, f".tiny-llama-{tiny.TINY_MODEL_VERSION}.lock"]
+    )
 
 
 @pytest.mark.slow
@@ -103,10 +110,14 @@ def test_greedy_margins_are_wide(loaded):
 
 def test_special_tokens(loaded):
     tok, _ = loaded
-    assert tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]) \
-        == [0, 1, 2, 3]
-    assert (tok.bos_token, tok.eos_token, tok.pad_token) == \
-        ("<|endoftext|>", "<|im_end|>", "<|pad|>")
+    assert tok.convert_tokens_to_ids(
+        ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
+    ) == [0, 1, 2, 3]
+    assert (tok.bos_token, tok.eos_token, tok.pad_token) == (
+        "<|endoftext|>",
+        "<|im_end|>",
+        "<|pad|>",
+    )
     # Special tokens in text are single ids, not split into bytes.
     assert tok.encode("<|im_start|>user") == [1] + tok.encode("user")
 
@@ -128,11 +139,12 @@ def test_decode_roundtrip_bytes(loaded):
 
 def test_chat_template(loaded):
     tok, _ = loaded
-    messages = [{"role": "system", "content": "Be brief."},
-                {"role": "user", "content": "Hi!"}]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
     text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    assert text == ("<|im_start|>system\nBe brief.<|im_end|>\n"
-                    "<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n")
+    assert text == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n"
+        "<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n"
+    )
     no_prompt = tok.apply_chat_template(messages, add_generation_prompt=False, tokenize=False)
     assert no_prompt == text[: -len("<|im_start|>assistant\n")]
     out = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
@@ -160,8 +172,13 @@ print(json.dumps({"cls": type(model).__name__, "new": out.shape[1] - prompt.shap
 @pytest.mark.slow
 def test_loads_offline_in_fresh_process(built):
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    proc = subprocess.run([sys.executable, "-c", _OFFLINE_LOAD, str(built)], env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", _OFFLINE_LOAD, str(built)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["cls"] == "LlamaForCausalLM"
@@ -169,8 +186,13 @@ def test_loads_offline_in_fresh_process(built):
 
 
 def test_cli_prints_path(built):
-    proc = subprocess.run([sys.executable, "-m", "engine.tiny", "--cache-dir", str(built.parent)],
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "engine.tiny", "--cache-dir", str(built.parent)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == str(built)
 
@@ -196,8 +218,9 @@ def test_concurrent_ensure_builds_once(built, tmp_path):
     n = 4
     ctx = multiprocessing.get_context("spawn")  # no fork after torch has started threads
     barrier, results = ctx.Barrier(n), ctx.Queue()
-    procs = [ctx.Process(target=_race_worker, args=(str(cache), barrier, results))
-             for _ in range(n)]
+    procs = [
+        ctx.Process(target=_race_worker, args=(str(cache), barrier, results)) for _ in range(n)
+    ]
     for p in procs:
         p.start()
     outcomes = [results.get(timeout=300) for _ in range(n)]
@@ -209,7 +232,8 @@ def test_concurrent_ensure_builds_once(built, tmp_path):
     assert sum(did_build for _, did_build in outcomes) == 1
     assert not stale.exists()
     assert sorted(p.name for p in cache.iterdir()) == sorted(
-        [MODEL_DIR_NAME, f".tiny-llama-{tiny.TINY_MODEL_VERSION}.lock"])
+        [MODEL_DIR_NAME, f".tiny-llama-{tiny.TINY_MODEL_VERSION}.lock"]
+    )
     # Built in another process, yet byte-identical to the in-process build.
     assert _file_bytes(cache / MODEL_DIR_NAME) == _file_bytes(built)
 

@@ -1,5 +1,6 @@
 """A fresh dp-aware router installed as the process's router for one test, restored afterwards,
 in a sync flavour (the Django test client, the admin through async_to_sync) and an async one."""
+
 import pytest
 
 from apps.routing import router as router_module

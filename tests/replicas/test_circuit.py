@@ -1,5 +1,6 @@
 """CircuitBreaker on a fake clock: closed -> open (N failures within the window) -> half-open
 (after open_s) -> closed (success_threshold successes) or open again (one failure)."""
+
 import pytest
 
 from apps.replicas.circuit import CircuitBreaker
@@ -13,7 +14,9 @@ def clock():
 
 @pytest.fixture
 def breaker(clock):
-    return CircuitBreaker(failure_threshold=3, window_s=10.0, open_s=30.0, success_threshold=2, clock=clock)
+    return CircuitBreaker(
+        failure_threshold=3, window_s=10.0, open_s=30.0, success_threshold=2, clock=clock
+    )
 
 
 def fail(breaker, clock, *offsets):
@@ -98,7 +101,9 @@ def test_half_open_lets_one_trial_through_at_a_time(breaker, clock):
     assert breaker.allows() and breaker.dispatched()  # the next trial
     breaker.record_success()
     breaker.trial_done()
-    assert breaker.state == "closed" and breaker.allows() and not breaker.dispatched()  # closed: no trials
+    assert (
+        breaker.state == "closed" and breaker.allows() and not breaker.dispatched()
+    )  # closed: no trials
     assert breaker.allows()
 
 

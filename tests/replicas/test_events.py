@@ -1,5 +1,6 @@
 """The worker's health history (WorkerEvent): discovered and changed by the registration service,
 draining/undrained by the drain service, healthy/unhealthy by the health loop's transitions."""
+
 import pytest
 
 from apps.replicas.discovery import view_of
@@ -20,20 +21,32 @@ def info(dp_size: int, model: str = "tiny") -> dict:
 
 
 def kinds(worker_id: int) -> list[tuple[str, str]]:
-    return [(e.kind, e.detail) for e in WorkerEvent.objects.filter(worker_id=worker_id).order_by("at", "id")]
+    return [
+        (e.kind, e.detail)
+        for e in WorkerEvent.objects.filter(worker_id=worker_id).order_by("at", "id")
+    ]
 
 
 def test_discovered_once_then_changed_only_when_dp_size_or_model_change():
-    worker, _ = save_worker(url=URL, api_key="", dp_aware=True, info=None)  # recorded, not discovered yet
+    worker, _ = save_worker(
+        url=URL, api_key="", dp_aware=True, info=None
+    )  # recorded, not discovered yet
     assert kinds(worker.id) == []
     save_worker(url=URL, api_key="", dp_aware=True, info=info(2))
     save_worker(url=URL, api_key="", dp_aware=True, info=info(2))  # a refresh that finds the same
-    save_worker(url=URL, api_key="", dp_aware=False, info=info(2))  # dp-awareness is ours, not the engine's
+    save_worker(
+        url=URL, api_key="", dp_aware=False, info=info(2)
+    )  # dp-awareness is ours, not the engine's
     save_worker(url=URL, api_key="", dp_aware=True, info=info(4))
     save_worker(url=URL, api_key="", dp_aware=True, info=info(4, "other"))
-    save_worker(url=URL, api_key="", dp_aware=True, info=None)  # unreachable on refresh: nothing learned
-    assert kinds(worker.id) == [("discovered", "model tiny, dp_size 2"), ("changed", "dp_size 2 -> 4"),
-                                ("changed", "model tiny -> other")]
+    save_worker(
+        url=URL, api_key="", dp_aware=True, info=None
+    )  # unreachable on refresh: nothing learned
+    assert kinds(worker.id) == [
+        ("discovered", "model tiny, dp_size 2"),
+        ("changed", "dp_size 2 -> 4"),
+        ("changed", "model tiny -> other"),
+    ]
 
 
 async def test_draining_and_undrained_are_recorded_on_change_only():
@@ -45,8 +58,11 @@ async def test_draining_and_undrained_are_recorded_on_change_only():
 
 
 async def test_health_transitions_are_recorded():
-    router = Router(RouterConfig(health_failure_threshold=2, health_success_threshold=1,
-                                 health_check_interval_s=1.0))
+    router = Router(
+        RouterConfig(
+            health_failure_threshold=2, health_success_threshold=1, health_check_interval_s=1.0
+        )
+    )
     with StandIn(dp_size=1).start() as standin:
         worker = await Worker.objects.acreate(url=standin.url, server_info=info(1), dp_size=1)
         view = view_of(worker)
@@ -57,16 +73,23 @@ async def test_health_transitions_are_recorded():
             await check_worker(router, view)
             await check_worker(router, view)  # still down: no second event
             assert not view.healthy
-            assert await sync_kinds(worker.id) == [("unhealthy", '/health answered 503: {"status": "unavailable"}')]
+            assert await sync_kinds(worker.id) == [
+                ("unhealthy", '/health answered 503: {"status": "unavailable"}')
+            ]
             standin.healthy = True
             await check_worker(router, view)
-            assert view.healthy and [k for k, _ in await sync_kinds(worker.id)] == ["unhealthy", "healthy"]
+            assert view.healthy and [k for k, _ in await sync_kinds(worker.id)] == [
+                "unhealthy",
+                "healthy",
+            ]
             assert (await Worker.objects.aget(id=worker.id)).health == "healthy"
 
             await worker.adelete()
             standin.healthy = False
             await check_worker(router, view)
-            await check_worker(router, view)  # a removed worker's transition writes nothing (and does not fail)
+            await check_worker(
+                router, view
+            )  # a removed worker's transition writes nothing (and does not fail)
             assert not view.healthy and await WorkerEvent.objects.acount() == 0
         finally:
             await upstream.aclose()
@@ -74,4 +97,5 @@ async def test_health_transitions_are_recorded():
 
 async def sync_kinds(worker_id: int) -> list[tuple[str, str]]:
     from asgiref.sync import sync_to_async
+
     return await sync_to_async(kinds)(worker_id)

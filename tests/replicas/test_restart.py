@@ -1,6 +1,7 @@
 """An engine restarted at the same URL comes back with empty prefix caches: the router notices
 the new instance id on its health probe, rediscovers the worker and forgets what its index
 believed about it (otherwise it would predict hits the engine no longer has)."""
+
 from __future__ import annotations
 
 import sqlite3
@@ -15,8 +16,11 @@ pytestmark = pytest.mark.slow
 
 
 def complete(router_url: str, prompt: list[int]) -> dict:
-    r = httpx.post(router_url + "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 1},
-                   timeout=60)
+    r = httpx.post(
+        router_url + "/v1/completions",
+        json={"model": "tiny", "prompt": prompt, "max_tokens": 1},
+        timeout=60,
+    )
     assert r.status_code == 200, r.text
     return r.json()["usage"]
 
@@ -38,13 +42,21 @@ def test_a_restarted_engine_is_rediscovered_and_its_index_forgotten(tmp_path):
         kill_hard(engine)
         with start_engine_on(tmp_path, port, 1, "second"):
             assert httpx.get(url + "/health").json()["instance_id"] != first_id
-            assert wait_for(lambda: counter(router.url, "dpmesh_router_index_blocks", target) == 0, timeout=15), \
-                "the router still believes the restarted engine holds its old blocks"
-            assert wait_for(lambda: httpx.get(router.url + "/health").status_code == 200, timeout=15)
+            assert wait_for(
+                lambda: counter(router.url, "dpmesh_router_index_blocks", target) == 0, timeout=15
+            ), "the router still believes the restarted engine holds its old blocks"
+            assert wait_for(
+                lambda: httpx.get(router.url + "/health").status_code == 200, timeout=15
+            )
             usage = complete(router.url, prompt)
-            assert usage["prompt_tokens_details"]["cached_tokens"] == 0  # the engine's caches are empty...
+            assert (
+                usage["prompt_tokens_details"]["cached_tokens"] == 0
+            )  # the engine's caches are empty...
             # ...and the router predicted exactly that
-            assert counter(router.url, "dpmesh_router_predicted_cached_tokens_total", target) == predicted
+            assert (
+                counter(router.url, "dpmesh_router_predicted_cached_tokens_total", target)
+                == predicted
+            )
         with sqlite3.connect(tmp_path / "router.sqlite3") as db:
             kinds = [k for (k,) in db.execute("SELECT kind FROM replicas_workerevent ORDER BY id")]
         assert "restarted" in kinds, kinds

@@ -1,11 +1,12 @@
 """The workers API and the proxy against a real tiny engine (dp_size 2): discovery through
 /server_info, one target per rank, the legacy SGLang endpoints, restore from the database, and
 requests that come back with the rank that served them and leave no load behind."""
+
 import asyncio
 import json
 
-import pytest
 import httpx
+import pytest
 from asgiref.testing import ApplicationCommunicator
 from django.test import AsyncClient
 
@@ -18,20 +19,29 @@ from tests.support.procs import free_port, start_engine
 
 async def proxy_post(path: str, body: dict) -> httpx.Response:
     """Through the project's real ASGI application (the proxy paths are served before Django)."""
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=application), base_url="http://testserver",
-                                 timeout=60) as client:
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=application), base_url="http://testserver", timeout=60
+    ) as client:
         return await client.post(path, json=body)
+
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
-CHAT = {"messages": [{"role": "system", "content": "You answer questions about the Python language."},
-                     {"role": "user", "content": "What does the yield statement do inside a function body?"}],
-        "max_tokens": 2, "temperature": 0}
+CHAT = {
+    "messages": [
+        {"role": "system", "content": "You answer questions about the Python language."},
+        {"role": "user", "content": "What does the yield statement do inside a function body?"},
+    ],
+    "max_tokens": 2,
+    "temperature": 0,
+}
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    with start_engine(tmp_path_factory.mktemp("engine"), "--dp-size", "2", "--num-kv-blocks", "64") as server:
+    with start_engine(
+        tmp_path_factory.mktemp("engine"), "--dp-size", "2", "--num-kv-blocks", "64"
+    ) as server:
         yield server
 
 
@@ -55,8 +65,9 @@ class AdminClient(AsyncClient):
     the ASGI scope in Django 5.2)."""
 
     def generic(self, *args, headers=None, **kwargs):
-        return super().generic(*args, headers={"Authorization": f"Bearer {ADMIN_KEY}", **(headers or {})},
-                               **kwargs)
+        return super().generic(
+            *args, headers={"Authorization": f"Bearer {ADMIN_KEY}", **(headers or {})}, **kwargs
+        )
 
 
 @pytest.fixture
@@ -65,7 +76,9 @@ def client():
 
 
 async def add(client, url, **extra):
-    return await client.post("/workers", data=json.dumps({"url": url, **extra}), content_type="application/json")
+    return await client.post(
+        "/workers", data=json.dumps({"url": url, **extra}), content_type="application/json"
+    )
 
 
 def keys(router) -> list[str]:
@@ -76,9 +89,16 @@ async def test_post_workers_discovers_one_target_per_rank(engine, router, client
     r = await add(client, engine.url + "/")
     assert r.status_code == 201, r.content
     body = r.json()
-    assert (body["url"], body["dp_size"], body["dp_aware"], body["model"]) == (engine.url, 2, True, "tiny")
+    assert (body["url"], body["dp_size"], body["dp_aware"], body["model"]) == (
+        engine.url,
+        2,
+        True,
+        "tiny",
+    )
     assert [(t["key"], t["rank"], t["circuit"]) for t in body["targets"]] == [
-        (f"{engine.url}@0", 0, "closed"), (f"{engine.url}@1", 1, "closed")]
+        (f"{engine.url}@0", 0, "closed"),
+        (f"{engine.url}@1", 1, "closed"),
+    ]
     assert body["server_info"]["dp_size"] == 2 and body["health"] == "healthy"
     assert keys(router) == [f"{engine.url}@0", f"{engine.url}@1"]
     view = router.fleet.workers[body["id"]]
@@ -109,7 +129,9 @@ async def test_get_and_delete_workers(engine, router, client):
     detail = await client.get(f"/workers/{worker_id}")
     assert detail.status_code == 200 and detail.json()["targets"][1]["key"] == f"{engine.url}@1"
     assert (await client.get(f"/workers/{worker_id + 1}")).status_code == 404
-    routed = router.route({"prompt": list(range(40))}, False, None)  # gives the index something to drop
+    routed = router.route(
+        {"prompt": list(range(40))}, False, None
+    )  # gives the index something to drop
     router.finish(routed, ok=True)
     assert router.index.size(routed.target.key) == 2
 
@@ -134,8 +156,16 @@ async def test_legacy_endpoints(engine, router, client):
     assert (await client.get("/add_worker")).status_code == 405
 
 
-@pytest.mark.parametrize("payload", [{"url": "ftp://example.com"}, {"url": "localhost:8000"}, {}, {"url": 5},
-                                     {"url": "http://x", "dp_aware": "yes"}])
+@pytest.mark.parametrize(
+    "payload",
+    [
+        {"url": "ftp://example.com"},
+        {"url": "localhost:8000"},
+        {},
+        {"url": 5},
+        {"url": "http://x", "dp_aware": "yes"},
+    ],
+)
 async def test_bad_requests_are_400(router, client, payload):
     r = await client.post("/workers", data=json.dumps(payload), content_type="application/json")
     assert r.status_code == 400
@@ -165,7 +195,10 @@ async def test_dp_unaware_worker_is_one_target_without_rank(engine, router, clie
     proxied = await proxy_post("/v1/completions", {"prompt": "hello", "max_tokens": 2})
     assert proxied.status_code == 200
     assert proxied.headers["x-routed-target"] == engine.url
-    assert proxied.headers["x-data-parallel-rank"] in ("0", "1")  # the engine's own choice, passed on
+    assert proxied.headers["x-data-parallel-rank"] in (
+        "0",
+        "1",
+    )  # the engine's own choice, passed on
 
 
 async def test_switching_dp_awareness_replaces_targets_and_forgets_old_keys(engine, router, client):
@@ -196,6 +229,7 @@ async def test_health_is_503_until_startup_has_restored_the_fleet(engine, router
     """A process that answers /health 200 serves with the fleet and policy it restored, not a partial one."""
     from apps.replicas.serving import startup
     from apps.routing.jobs import notify_on
+
     await add(client, engine.url)
     restarted = set_router(Router(RouterConfig(dp_aware=True)))
     restarted.starting = True  # as serve_router sets it before the socket listens
@@ -221,21 +255,32 @@ async def test_proxy_reports_the_rank_and_leaves_no_load(engine, router, client)
     assert r.json()["usage"]["prompt_tokens"] == 43
     served = []
     body = {"prompt": [(11 * i) % 4000 for i in range(600)], "max_tokens": 2, "temperature": 0}
-    for _ in range(2):  # the same long prompt twice: the second lands home and hits what the first cached
+    for _ in range(
+        2
+    ):  # the same long prompt twice: the second lands home and hits what the first cached
         r = await proxy_post("/v1/completions", body)
         assert r.status_code == 200, r.text
         assert r.headers["x-routed-target"] == f"{engine.url}@{r.headers['x-data-parallel-rank']}"
-        served.append((r.headers["x-routed-target"], r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]))
+        served.append(
+            (
+                r.headers["x-routed-target"],
+                r.json()["usage"]["prompt_tokens_details"]["cached_tokens"],
+            )
+        )
     assert served[1] == (served[0][0], 592)  # (600 - 1) // 16 = 37 blocks hit
     stats = router.stats.targets[served[0][0]]
-    assert stats.predicted_tokens == stats.cached_tokens  # the index predicted exactly what the engine hit
+    assert (
+        stats.predicted_tokens == stats.cached_tokens
+    )  # the index predicted exactly what the engine hit
     assert stats.completed == stats.requests == stats.reported
     assert all(t.load.idle for t in router.fleet.all_targets())
     assert [t.load.requests for t in router.fleet.all_targets()] == [0, 0]
 
 
 @pytest.mark.parametrize("include_usage", [False, True])
-async def test_streamed_proxy_relays_events_and_leaves_no_load(engine, router, client, include_usage):
+async def test_streamed_proxy_relays_events_and_leaves_no_load(
+    engine, router, client, include_usage
+):
     await add(client, engine.url)
     body = {"prompt": "the quick brown fox", "max_tokens": 3, "temperature": 0, "stream": True}
     if include_usage:
@@ -246,11 +291,13 @@ async def test_streamed_proxy_relays_events_and_leaves_no_load(engine, router, c
     text = r.text
     events = [e for e in text.split("\n\n") if e]
     assert events[-1] == "data: [DONE]" and text.endswith("\n\n")
-    payloads = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    payloads = [json.loads(e[len("data: ") :]) for e in events[:-1]]
     usage_only = [p for p in payloads if not p["choices"]]
     assert len(usage_only) == (1 if include_usage else 0)
     assert all(t.load.idle for t in router.fleet.all_targets())
-    assert router.stats.targets[r.headers["x-routed-target"]].reported == 1  # usage learned either way
+    assert (
+        router.stats.targets[r.headers["x-routed-target"]].reported == 1
+    )  # usage learned either way
 
 
 async def test_proxy_without_workers_is_503(router, client):
@@ -262,13 +309,31 @@ async def test_proxy_without_workers_is_503(router, client):
 async def test_client_disconnect_mid_stream_ends_the_load(engine, router, client):
     """The ASGI path a real client takes: read the first event, then disconnect."""
     await add(client, engine.url)
-    body = {"prompt": "the quick brown fox", "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
-             "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
-             "headers": [(b"host", b"testserver"), (b"content-type", b"application/json")],
-             "client": ("127.0.0.1", 50000), "server": ("testserver", 80)}
+    body = {
+        "prompt": "the quick brown fox",
+        "max_tokens": 200,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/completions",
+        "raw_path": b"/v1/completions",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"host", b"testserver"), (b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 50000),
+        "server": ("testserver", 80),
+    }
     app = ApplicationCommunicator(application, scope)
-    await app.send_input({"type": "http.request", "body": json.dumps(body).encode(), "more_body": False})
+    await app.send_input(
+        {"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}
+    )
     start = await app.receive_output(timeout=30)
     assert (start["type"], start["status"]) == ("http.response.start", 200)
     key = dict(start["headers"])[b"x-routed-target"].decode()

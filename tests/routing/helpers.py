@@ -1,4 +1,5 @@
 """Hand-built fleets for the router's unit tests: no database, no processes."""
+
 from __future__ import annotations
 
 from apps.replicas.fleet import Target, WorkerView
@@ -15,12 +16,31 @@ class Clock:
         return self.now
 
 
-def worker_view(worker_id: int = 1, *, url: str | None = None, model: str = "tiny", dp_size: int = 2,
-                dp_aware: bool = True, block_size: int | None = 16, tokenizer_path: str | None = None,
-                capacity_blocks: int | None = 64, **extra) -> WorkerView:
-    return WorkerView(worker_id=worker_id, url=url or f"http://w{worker_id}", api_key="", model=model,
-                      model_aliases={model}, dp_size=dp_size, dp_aware=dp_aware, block_size=block_size,
-                      tokenizer_path=tokenizer_path, capacity_blocks=capacity_blocks, **extra)
+def worker_view(
+    worker_id: int = 1,
+    *,
+    url: str | None = None,
+    model: str = "tiny",
+    dp_size: int = 2,
+    dp_aware: bool = True,
+    block_size: int | None = 16,
+    tokenizer_path: str | None = None,
+    capacity_blocks: int | None = 64,
+    **extra,
+) -> WorkerView:
+    return WorkerView(
+        worker_id=worker_id,
+        url=url or f"http://w{worker_id}",
+        api_key="",
+        model=model,
+        model_aliases={model},
+        dp_size=dp_size,
+        dp_aware=dp_aware,
+        block_size=block_size,
+        tokenizer_path=tokenizer_path,
+        capacity_blocks=capacity_blocks,
+        **extra,
+    )
 
 
 def targets(n: int, worker_id: int = 1, clock: Clock | None = None) -> list[Target]:

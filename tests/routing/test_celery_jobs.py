@@ -6,6 +6,7 @@
   Redis runs them; the router process then does not scrape at all, and the dashboard's
   on-demand bench goes through the broker to that worker.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -31,15 +32,19 @@ DP = 2
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    with start_engine(tmp_path_factory.mktemp("jobs"), "--dp-size", str(DP), "--num-kv-blocks", "256") as engine:
+    with start_engine(
+        tmp_path_factory.mktemp("jobs"), "--dp-size", str(DP), "--num-kv-blocks", "256"
+    ) as engine:
         yield engine
 
 
 def send_some(url: str, n: int = 6, headers: dict | None = None) -> None:
     with httpx.Client(base_url=url, timeout=60, headers=headers) as client:
         for i in range(n):
-            r = client.post("/v1/completions", json={"model": "tiny", "prompt": list(range(10, 90)) + [i],
-                                                     "max_tokens": 2})
+            r = client.post(
+                "/v1/completions",
+                json={"model": "tiny", "prompt": list(range(10, 90)) + [i], "max_tokens": 2},
+            )
             assert r.status_code == 200, r.text
 
 
@@ -58,8 +63,10 @@ def test_tasks_run_eagerly_in_process_without_a_broker(engine, settings):
     assert tasks.scrape_fleet.delay().get() == DP
     m = metrics(engine.url)
     for row in RankSample.objects.select_related("rank"):
-        assert (row.prompt_tokens, row.cached_tokens) == (m[("prompt_tokens", row.rank.rank)],
-                                                          m[("cached_tokens", row.rank.rank)])
+        assert (row.prompt_tokens, row.cached_tokens) == (
+            m[("prompt_tokens", row.rank.rank)],
+            m[("cached_tokens", row.rank.rank)],
+        )
     assert tasks.refresh_discovery.delay().get() == {"checked": 1, "changed": 0}
 
 
@@ -81,8 +88,13 @@ async def test_discovery_refresh_follows_an_engine_restarted_with_another_dp_siz
         worker = await worker_add(url=engine.url, router=router)
         await background.sync_fleet(router)
         assert [t.key for t in router.fleet.all_targets()] == [f"{engine.url}@0"]
-        assert await sync_to_async(jobs_refresh)() == {"checked": 1, "changed": 0}  # live state is not a change
-    router.fleet.all_targets()[0].load.begin(10, 0)  # a request in flight on rank 0 across the restart
+        assert await sync_to_async(jobs_refresh)() == {
+            "checked": 1,
+            "changed": 0,
+        }  # live state is not a change
+    router.fleet.all_targets()[0].load.begin(
+        10, 0
+    )  # a request in flight on rank 0 across the restart
     with start_engine_on(tmp_path, port, 2, "dp2") as engine:
         assert await sync_to_async(jobs_refresh)() == {"checked": 1, "changed": 1}
         worker = await Worker.objects.aget(id=worker.id)
@@ -90,14 +102,20 @@ async def test_discovery_refresh_follows_an_engine_restarted_with_another_dp_siz
         event = await WorkerEvent.objects.filter(worker=worker, kind="changed").alatest("at")
         assert "dp_size 1 -> 2" in event.detail
         await background.sync_fleet(router)
-        assert sorted(t.key for t in router.fleet.all_targets()) == [f"{engine.url}@0", f"{engine.url}@1"]
-        assert router.fleet.all_targets()[0].load.requests == 1  # the surviving target kept its load
+        assert sorted(t.key for t in router.fleet.all_targets()) == [
+            f"{engine.url}@0",
+            f"{engine.url}@1",
+        ]
+        assert (
+            router.fleet.all_targets()[0].load.requests == 1
+        )  # the surviving target kept its load
         routed = router.route({"prompt": "hello", "max_tokens": 1}, False, None)
         assert routed.target.rank == 1  # the idle new rank
 
 
 def jobs_refresh():
     from apps.routing import jobs
+
     return jobs.refresh_discovery()
 
 
@@ -105,14 +123,30 @@ def test_the_router_process_runs_the_jobs_itself_without_a_broker(engine, tmp_pa
     port = free_port()
     db = tmp_path / "router.sqlite3"
     env = {"DATABASE_URL": f"sqlite:///{db}", "CONTROL_PLANE_SCRAPE_INTERVAL_S": "0.5"}
-    cmd = [sys.executable, "manage.py", "runrouter", "--worker-urls", engine.url, "--dp-aware", "--port", str(port)]
-    with start(cmd, f"http://127.0.0.1:{port}", tmp_path / "router.log", env={**env, "REDIS_URL": ""}) as router:
+    cmd = [
+        sys.executable,
+        "manage.py",
+        "runrouter",
+        "--worker-urls",
+        engine.url,
+        "--dp-aware",
+        "--port",
+        str(port),
+    ]
+    with start(
+        cmd, f"http://127.0.0.1:{port}", tmp_path / "router.log", env={**env, "REDIS_URL": ""}
+    ) as router:
         send_some(router.url)
 
         def samples():
             with sqlite3.connect(db) as conn:
-                return conn.execute("SELECT count(*), count(DISTINCT at) FROM replicas_ranksample").fetchone()
-        assert wait_for(lambda: samples()[1] >= 3, timeout=15), samples()  # several scrapes, on schedule
+                return conn.execute(
+                    "SELECT count(*), count(DISTINCT at) FROM replicas_ranksample"
+                ).fetchone()
+
+        assert wait_for(lambda: samples()[1] >= 3, timeout=15), (
+            samples()
+        )  # several scrapes, on schedule
         assert samples()[0] == DP * samples()[1]  # every scrape covers every rank
         assert "periodic jobs in this process" in router.log()
 
@@ -131,6 +165,7 @@ def postgres_db(postgres_server_url):
 @pytest.fixture
 def redis_db(redis_url):
     import redis
+
     redis.Redis.from_url(redis_url).flushdb()
     yield redis_url
     redis.Redis.from_url(redis_url).flushdb()
@@ -145,8 +180,15 @@ def staff_session(router_url: str, user: str, password: str) -> httpx.Client:
     client = httpx.Client(base_url=router_url, timeout=30)
     page = client.get("/admin/login/")
     token = re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', page.text).group(1)
-    r = client.post("/admin/login/?next=/dashboard/", data={"username": user, "password": password,
-                                                           "csrfmiddlewaretoken": token, "next": "/dashboard/"})
+    r = client.post(
+        "/admin/login/?next=/dashboard/",
+        data={
+            "username": user,
+            "password": password,
+            "csrfmiddlewaretoken": token,
+            "next": "/dashboard/",
+        },
+    )
     assert r.status_code == 302 and r.headers["location"] == "/dashboard/", r.text[:300]
     return client
 
@@ -154,16 +196,19 @@ def staff_session(router_url: str, user: str, password: str) -> httpx.Client:
 async def dashboard_snapshots(router_url: str, cookies, seconds: float) -> list[dict]:
     """Snapshots the dashboard websocket pushes within ``seconds`` (logged in by ``cookies``)."""
     import aiohttp
+
     cookie = "; ".join(f"{name}={value}" for name, value in cookies.items())
     out = []
     async with aiohttp.ClientSession() as session:
-        async with session.ws_connect(router_url.replace("http", "ws") + "/ws/dashboard/",
-                                      headers={"Origin": router_url, "Cookie": cookie}) as ws:
+        async with session.ws_connect(
+            router_url.replace("http", "ws") + "/ws/dashboard/",
+            headers={"Origin": router_url, "Cookie": cookie},
+        ) as ws:
             deadline = asyncio.get_running_loop().time() + seconds
             while (left := deadline - asyncio.get_running_loop().time()) > 0:
                 try:
                     message = await ws.receive_json(timeout=left)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     break
                 if message.get("type") == "snapshot":
                     out.append(message)
@@ -171,10 +216,25 @@ async def dashboard_snapshots(router_url: str, cookies, seconds: float) -> list[
 
 
 def test_a_real_celery_worker_on_redis_runs_the_jobs(engine, tmp_path, postgres_db, redis_db):
-    env = {**os.environ, "DATABASE_URL": postgres_db, "REDIS_URL": redis_db, "CONTROL_PLANE_SCRAPE_INTERVAL_S": "1",
-           "DJANGO_SUPERUSER_USERNAME": "ops", "DJANGO_SUPERUSER_PASSWORD": "celery-test-pw-1"}
+    env = {
+        **os.environ,
+        "DATABASE_URL": postgres_db,
+        "REDIS_URL": redis_db,
+        "CONTROL_PLANE_SCRAPE_INTERVAL_S": "1",
+        "DJANGO_SUPERUSER_USERNAME": "ops",
+        "DJANGO_SUPERUSER_PASSWORD": "celery-test-pw-1",
+    }
     port = free_port()
-    cmd = [sys.executable, "manage.py", "runrouter", "--worker-urls", engine.url, "--dp-aware", "--port", str(port)]
+    cmd = [
+        sys.executable,
+        "manage.py",
+        "runrouter",
+        "--worker-urls",
+        engine.url,
+        "--dp-aware",
+        "--port",
+        str(port),
+    ]
     # the router's own dashboard timer is slow (30 s): faster pushes can only be the worker's nudges
     router_env = {**env, "CONTROL_PLANE_SCRAPE_INTERVAL_S": "30"}
     with start(cmd, f"http://127.0.0.1:{port}", tmp_path / "router.log", env=router_env) as router:
@@ -184,19 +244,47 @@ def test_a_real_celery_worker_on_redis_runs_the_jobs(engine, tmp_path, postgres_
         assert query(postgres_db, "SELECT count(*) FROM replicas_ranksample") == [(0,)]
 
         log = open(tmp_path / "celery.log", "wb")
-        worker = subprocess.Popen([sys.executable, "-m", "celery", "-A", "controlplane", "worker", "--beat",
-                                   "--pool", "solo", "--loglevel", "INFO", "--schedule", str(tmp_path / "beat-schedule")],
-                                  cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        worker = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "celery",
+                "-A",
+                "controlplane",
+                "worker",
+                "--beat",
+                "--pool",
+                "solo",
+                "--loglevel",
+                "INFO",
+                "--schedule",
+                str(tmp_path / "beat-schedule"),
+            ],
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
-            rows = wait_for(lambda: query(postgres_db, "SELECT count(DISTINCT at) FROM replicas_ranksample")[0][0] >= 2,
-                            timeout=60)
+            rows = wait_for(
+                lambda: (
+                    query(postgres_db, "SELECT count(DISTINCT at) FROM replicas_ranksample")[0][0]
+                    >= 2
+                ),
+                timeout=60,
+            )
             assert rows, (tmp_path / "celery.log").read_text()[-3000:]
             m = metrics(engine.url)
-            latest = query(postgres_db, """SELECT r.rank, s.prompt_tokens, s.cached_tokens FROM replicas_ranksample s
+            latest = query(
+                postgres_db,
+                """SELECT r.rank, s.prompt_tokens, s.cached_tokens FROM replicas_ranksample s
                                            JOIN replicas_rank r ON r.id = s.rank_id
-                                           WHERE s.at = (SELECT max(at) FROM replicas_ranksample) ORDER BY r.rank""")
+                                           WHERE s.at = (SELECT max(at) FROM replicas_ranksample) ORDER BY r.rank""",
+            )
             assert [(rank, p, c) for rank, p, c in latest] == [
-                (r, m[("prompt_tokens", r)], m[("cached_tokens", r)]) for r in range(DP)]
+                (r, m[("prompt_tokens", r)], m[("cached_tokens", r)]) for r in range(DP)
+            ]
 
             # every scrape on the worker nudges the router's dashboards through the Redis channel layer
             client = staff_session(router.url, "ops", "celery-test-pw-1")
@@ -206,18 +294,39 @@ def test_a_real_celery_worker_on_redis_runs_the_jobs(engine, tmp_path, postgres_
 
             # the dashboard's on-demand bench: queued through Redis, run by the worker, stored in Postgres
             token = client.cookies["csrftoken"]
-            r = client.post("/dashboard/bench", json={"dataset": "prefix_repetition", "num_prompts": 15,
-                                                      "max_concurrency": 4}, headers={"X-CSRFToken": token})
+            r = client.post(
+                "/dashboard/bench",
+                json={"dataset": "prefix_repetition", "num_prompts": 15, "max_concurrency": 4},
+                headers={"X-CSRFToken": token},
+            )
             assert r.status_code == 202, r.text
             run_id = r.json()["id"]
-            done = wait_for(lambda: query(postgres_db, "SELECT status FROM routing_benchrun WHERE id = %s",
-                                          run_id)[0][0] in ("done", "failed"), timeout=120)
-            status, result, error = query(postgres_db, "SELECT status, result, error FROM routing_benchrun WHERE id = %s",
-                                          run_id)[0]
-            assert done and status == "done", (status, error, (tmp_path / "celery.log").read_text()[-3000:])
-            assert result["completed"] == 15 and result["failed"] == 0 and result["hit_rate"] > 0.3, result
+            done = wait_for(
+                lambda: (
+                    query(postgres_db, "SELECT status FROM routing_benchrun WHERE id = %s", run_id)[
+                        0
+                    ][0]
+                    in ("done", "failed")
+                ),
+                timeout=120,
+            )
+            status, result, error = query(
+                postgres_db,
+                "SELECT status, result, error FROM routing_benchrun WHERE id = %s",
+                run_id,
+            )[0]
+            assert done and status == "done", (
+                status,
+                error,
+                (tmp_path / "celery.log").read_text()[-3000:],
+            )
+            assert (
+                result["completed"] == 15 and result["failed"] == 0 and result["hit_rate"] > 0.3
+            ), result
             assert len(result["ttft_ms_series"]) == 15
-            assert "routing.run_bench" in (tmp_path / "celery.log").read_text()  # the worker ran it, not the router
+            assert (
+                "routing.run_bench" in (tmp_path / "celery.log").read_text()
+            )  # the worker ran it, not the router
             client.close()
         finally:
             os.killpg(worker.pid, signal.SIGTERM)

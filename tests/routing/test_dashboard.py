@@ -1,6 +1,7 @@
 """The dashboard's backend in-process: the snapshot and its series, the websocket (auth, pushes,
 the policy switch), the staff-only views, and the jobs' pure parts (metrics parsing, pruning).
 The browser test (tests/routing/test_dashboard_browser.py) drives all of it against real processes."""
+
 from __future__ import annotations
 
 import asyncio
@@ -34,16 +35,28 @@ def router():
 
 
 def make_worker(router, dp_size=2, url="http://127.0.0.1:9"):
-    worker = Worker.objects.create(url=url, dp_size=dp_size, model_id="tiny",
-                                   server_info={"dp_size": dp_size, "model_id": "tiny"})
+    worker = Worker.objects.create(
+        url=url,
+        dp_size=dp_size,
+        model_id="tiny",
+        server_info={"dp_size": dp_size, "model_id": "tiny"},
+    )
     rank_ids = {r: Rank.objects.create(worker=worker, rank=r).id for r in range(dp_size)}
     install(router, worker, rank_ids)
     return worker
 
 
 def sample(rank, at, requests, prompt, cached, up=True):
-    return RankSample.objects.create(rank=rank, at=at, requests=requests, prompt_tokens=prompt, cached_tokens=cached,
-                                     kv_blocks_used=3, kv_blocks_total=64, up=up)
+    return RankSample.objects.create(
+        rank=rank,
+        at=at,
+        requests=requests,
+        prompt_tokens=prompt,
+        cached_tokens=cached,
+        kv_blocks_used=3,
+        kv_blocks_total=64,
+        up=up,
+    )
 
 
 # ----- snapshot ------------------------------------------------------------------------------------
@@ -59,13 +72,21 @@ def test_snapshot_puts_the_engine_and_the_router_side_by_side(router):
     snap = build_snapshot(router)
     rank0, rank1 = snap["workers"][0]["ranks"]
     assert rank0["key"] == f"{worker.url}@0"
-    assert (rank0["engine_requests"], rank0["engine_prompt_tokens"], rank0["engine_cached_tokens"]) == (10, 1000, 700)
+    assert (
+        rank0["engine_requests"],
+        rank0["engine_prompt_tokens"],
+        rank0["engine_cached_tokens"],
+    ) == (10, 1000, 700)
     assert rank0["engine_hit_rate"] == pytest.approx(0.7)
     assert (rank0["requests"], rank0["prompt_tokens"], rank0["predicted_tokens"]) == (2, 1000, 480)
     assert rank0["router_hit_rate"] == pytest.approx(0.48)
     assert rank0["gap"] == pytest.approx(0.22)
     assert (rank0["kv_blocks_used"], rank0["kv_blocks_total"]) == (3, 64)
-    assert rank1["engine_hit_rate"] == 0.0 and rank1["router_hit_rate"] is None and rank1["gap"] is None
+    assert (
+        rank1["engine_hit_rate"] == 0.0
+        and rank1["router_hit_rate"] is None
+        and rank1["gap"] is None
+    )
     fleet = snap["fleet"]
     assert (fleet["engine_prompt_tokens"], fleet["engine_cached_tokens"]) == (1200, 700)
     assert fleet["engine_hit_rate"] == pytest.approx(700 / 1200)
@@ -88,11 +109,17 @@ def test_series_are_per_interval_and_survive_an_engine_restart(router):
     worker = make_worker(router, dp_size=1)
     rank = worker.ranks.get()
     t0 = timezone.now() - timedelta(seconds=10)
-    for i, (req, prompt, cached) in enumerate([(0, 0, 0), (4, 400, 100), (8, 800, 500), (2, 100, 80)]):
+    for i, (req, prompt, cached) in enumerate(
+        [(0, 0, 0), (4, 400, 100), (8, 800, 500), (2, 100, 80)]
+    ):
         sample(rank, t0 + timedelta(seconds=2 * i), req, prompt, cached)
     out = series({rank.id: f"{worker.url}@0"}, window_s=60)
     # intervals: +400/+100, +400/+400, then a restart (counters fell): the new values themselves
-    assert out["ranks"][f"{worker.url}@0"] == [pytest.approx(0.25), pytest.approx(1.0), pytest.approx(0.8)]
+    assert out["ranks"][f"{worker.url}@0"] == [
+        pytest.approx(0.25),
+        pytest.approx(1.0),
+        pytest.approx(0.8),
+    ]
     assert out["fleet"] == out["ranks"][f"{worker.url}@0"]
     assert out["requests_per_s"] == [pytest.approx(2.0), pytest.approx(2.0), pytest.approx(1.0)]
     assert len(out["t"]) == 3
@@ -149,7 +176,12 @@ def test_an_engine_that_does_not_answer_gets_a_down_sample_with_its_last_counter
     sample(rank, timezone.now() - timedelta(seconds=2), 7, 700, 300)
     assert jobs.scrape_fleet(timeout=1.0) == 1
     latest = RankSample.objects.filter(rank=rank).order_by("-at").first()
-    assert (latest.up, latest.requests, latest.prompt_tokens, latest.cached_tokens) == (False, 7, 700, 300)
+    assert (latest.up, latest.requests, latest.prompt_tokens, latest.cached_tokens) == (
+        False,
+        7,
+        700,
+        300,
+    )
 
 
 @override_settings(CONTROL_PLANE={"SAMPLE_RETENTION_S": 60.0, "EVENT_RETENTION_S": 120.0})
@@ -174,8 +206,12 @@ def _staff():
 
 async def _communicator(user=None):
     from controlplane.asgi import application
-    communicator = WebsocketCommunicator(application, "/ws/dashboard/", headers=[(b"origin", b"http://127.0.0.1"),
-                                                                                  (b"host", b"127.0.0.1")])
+
+    communicator = WebsocketCommunicator(
+        application,
+        "/ws/dashboard/",
+        headers=[(b"origin", b"http://127.0.0.1"), (b"host", b"127.0.0.1")],
+    )
     if user is not None:  # what channels' AuthMiddleware would find in the session
         communicator.scope["user"] = user
     return communicator
@@ -183,7 +219,11 @@ async def _communicator(user=None):
 
 async def test_the_websocket_refuses_anonymous_and_non_staff(router):
     from django.contrib.auth.models import AnonymousUser
-    for user in (AnonymousUser(), await sync_to_async(get_user_model().objects.create_user)("guest", password="x")):
+
+    for user in (
+        AnonymousUser(),
+        await sync_to_async(get_user_model().objects.create_user)("guest", password="x"),
+    ):
         communicator = await _communicator(user)
         connected, code = await communicator.connect()
         assert not connected and code == NOT_AUTHORIZED
@@ -199,7 +239,10 @@ async def test_the_websocket_pushes_snapshots_and_switches_the_policy(router):
     assert connected
     first = await communicator.receive_json_from(timeout=5)
     assert first["type"] == "snapshot" and first["policy"] == "cache_aware"
-    assert [r["key"] for r in first["workers"][0]["ranks"]] == ["http://127.0.0.1:9@0", "http://127.0.0.1:9@1"]
+    assert [r["key"] for r in first["workers"][0]["ranks"]] == [
+        "http://127.0.0.1:9@0",
+        "http://127.0.0.1:9@1",
+    ]
     await communicator.send_json_to({"action": "set_policy", "policy": "round_robin"})
     pushed = await communicator.receive_json_from(timeout=5)  # the switch nudges every dashboard
     assert pushed["policy"] == "round_robin" and pushed["policy_updated_by"] == "ops"
@@ -215,8 +258,15 @@ async def test_the_websocket_pushes_snapshots_and_switches_the_policy(router):
 
 
 # ----- views ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("method,path", [("get", "/dashboard/"), ("get", "/dashboard/snapshot"),
-                                         ("post", "/dashboard/policy"), ("post", "/dashboard/bench")])
+@pytest.mark.parametrize(
+    "method,path",
+    [
+        ("get", "/dashboard/"),
+        ("get", "/dashboard/snapshot"),
+        ("post", "/dashboard/policy"),
+        ("post", "/dashboard/bench"),
+    ],
+)
 def test_dashboard_views_refuse_anonymous(client, router, method, path):
     response = getattr(client, method)(path)
     assert response.status_code == 302 and "/admin/login/" in response["Location"]
@@ -229,18 +279,26 @@ def test_dashboard_page_and_policy_switch_for_staff(client, router):
     assert page.status_code == 200 and b"/ws/dashboard/" in page.content
     assert b"routing/vendor/uplot/uPlot.iife.min.js" in page.content  # served by us, no CDN
     assert b"http://" not in page.content.split(b"<body")[0].replace(b"http://www.w3.org", b"")
-    r = client.post("/dashboard/policy", json.dumps({"policy": "power_of_two"}), content_type="application/json")
+    r = client.post(
+        "/dashboard/policy", json.dumps({"policy": "power_of_two"}), content_type="application/json"
+    )
     assert r.status_code == 200 and router.policy.name == "power_of_two"
-    r = client.post("/dashboard/policy", json.dumps({"policy": "nope"}), content_type="application/json")
+    r = client.post(
+        "/dashboard/policy", json.dumps({"policy": "nope"}), content_type="application/json"
+    )
     assert r.status_code == 400 and "unknown policy" in r.json()["error"]["message"]
 
 
 def test_bench_requests_are_validated(client, router):
     _staff()
     client.login(username="ops", password="pw-ops-123")
-    for body, message in [({"dataset": "sharegpt"}, "dataset"), ({"num_prompts": 0}, "num_prompts"),
-                          ({"max_concurrency": "8"}, "max_concurrency"), ({"rate": 3}, "unknown"),
-                          ({"dataset": "multi_turn", "num_prompts": 3}, "multi_turn")]:
+    for body, message in [
+        ({"dataset": "sharegpt"}, "dataset"),
+        ({"num_prompts": 0}, "num_prompts"),
+        ({"max_concurrency": "8"}, "max_concurrency"),
+        ({"rate": 3}, "unknown"),
+        ({"dataset": "multi_turn", "num_prompts": 3}, "multi_turn"),
+    ]:
         r = client.post("/dashboard/bench", json.dumps(body), content_type="application/json")
         assert r.status_code == 400 and message in r.json()["error"]["message"], body
     assert not BenchRun.objects.exists()
@@ -248,10 +306,13 @@ def test_bench_requests_are_validated(client, router):
 
 def test_the_dashboard_needs_a_csrf_token_for_its_actions(router):
     from django.test import Client
+
     _staff()
     client = Client(enforce_csrf_checks=True)
     client.login(username="ops", password="pw-ops-123")
-    r = client.post("/dashboard/policy", json.dumps({"policy": "random"}), content_type="application/json")
+    r = client.post(
+        "/dashboard/policy", json.dumps({"policy": "random"}), content_type="application/json"
+    )
     assert r.status_code == 403 and router.policy.name == "cache_aware"
 
 
@@ -268,7 +329,9 @@ async def test_nudges_from_job_threads_are_sent_on_the_router_loop_without_waiti
         assert (await asyncio.wait_for(layer.receive(channel), 5))["reason"] == "scraped"
         stopped = asyncio.new_event_loop()  # a loop that no longer runs
         jobs.notify_on(stopped)
-        await asyncio.wait_for(asyncio.to_thread(jobs.notify_dashboard, "scraped"), 5)  # returns at once
+        await asyncio.wait_for(
+            asyncio.to_thread(jobs.notify_dashboard, "scraped"), 5
+        )  # returns at once
         stopped.close()
         await asyncio.wait_for(asyncio.to_thread(jobs.notify_dashboard, "scraped"), 5)
     finally:

@@ -5,6 +5,7 @@ engine's own /metrics, switch the policy and see the next requests routed differ
 
 Set ``DPMESH_DOCS_SCREENSHOT=docs/dashboard.png`` to refresh the README's screenshot.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -34,11 +35,25 @@ def fleet(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dashboard")
     with start_engine(tmp, "--dp-size", str(DP), "--num-kv-blocks", "512") as engine:
         port = free_port()
-        env = {"DATABASE_URL": f"sqlite:///{tmp}/router.sqlite3", "DJANGO_SUPERUSER_USERNAME": USER,
-               "DJANGO_SUPERUSER_PASSWORD": PASSWORD, "CONTROL_PLANE_SCRAPE_INTERVAL_S": str(SCRAPE_S)}
+        env = {
+            "DATABASE_URL": f"sqlite:///{tmp}/router.sqlite3",
+            "DJANGO_SUPERUSER_USERNAME": USER,
+            "DJANGO_SUPERUSER_PASSWORD": PASSWORD,
+            "CONTROL_PLANE_SCRAPE_INTERVAL_S": str(SCRAPE_S),
+        }
         env.pop("REDIS_URL", None)
-        cmd = [sys.executable, "manage.py", "runrouter", "--worker-urls", engine.url, "--dp-aware",
-               "--policy", "cache_aware", "--port", str(port)]
+        cmd = [
+            sys.executable,
+            "manage.py",
+            "runrouter",
+            "--worker-urls",
+            engine.url,
+            "--dp-aware",
+            "--policy",
+            "cache_aware",
+            "--port",
+            str(port),
+        ]
         with start(cmd, f"http://127.0.0.1:{port}", tmp / "router.log", env=env) as router:
             yield engine, router
 
@@ -56,8 +71,15 @@ def browser():
 
     options = webdriver.ChromeOptions()
     options.binary_location = chromium
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                 "--disable-background-networking", "--disable-extensions", "--window-size=1500,1300"):
+    for flag in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--disable-background-networking",
+        "--disable-extensions",
+        "--window-size=1500,1300",
+    ):
         options.add_argument(flag)
     driver = webdriver.Chrome(service=Service(driver_path), options=options)
     driver.set_page_load_timeout(30)
@@ -74,11 +96,13 @@ def cells(driver, field: str) -> dict[str, str]:
     return driver.execute_script(
         "const out = {}; for (const tr of document.querySelectorAll('#ranks tr[data-target]')) {"
         f"  const td = tr.querySelector('[data-field=\"{field}\"]'); out[tr.dataset.target] = td ? td.textContent.trim() : null;"
-        "} return out;")
+        "} return out;"
+    )
 
 
 def log_in(driver, router_url: str) -> None:
     from selenium.webdriver.common.by import By
+
     driver.get(router_url + "/dashboard/")
     assert "/admin/login/" in driver.current_url  # the dashboard is staff-only
     driver.find_element(By.NAME, "username").send_keys(USER)
@@ -86,13 +110,20 @@ def log_in(driver, router_url: str) -> None:
     driver.find_element(By.CSS_SELECTOR, "input[type=submit], button[type=submit]").click()
     wait_for(lambda: driver.current_url.rstrip("/").endswith("/dashboard"), timeout=15)
     assert driver.current_url.rstrip("/").endswith("/dashboard"), driver.current_url
-    assert wait_for(lambda: js(driver, "window.dashboardSnapshots || 0") >= 1, timeout=15), "no snapshot arrived"
+    assert wait_for(lambda: js(driver, "window.dashboardSnapshots || 0") >= 1, timeout=15), (
+        "no snapshot arrived"
+    )
 
 
 def run_workload(router_url: str, samples) -> threading.Thread:
     def go():
-        asyncio.run(send_samples(RunOptions(base_url=router_url, model="tiny", max_concurrency=2, progress=False),
-                                 samples))
+        asyncio.run(
+            send_samples(
+                RunOptions(base_url=router_url, model="tiny", max_concurrency=2, progress=False),
+                samples,
+            )
+        )
+
     thread = threading.Thread(target=go, daemon=True)
     thread.start()
     return thread
@@ -102,12 +133,21 @@ def test_dashboard_shows_live_hit_rates_equal_to_the_engines_metrics(fleet, brow
     engine, router = fleet
     log_in(browser, router.url)
     keys = [f"{engine.url}@{r}" for r in range(DP)]
-    assert wait_for(lambda: sorted(cells(browser, "engine_hit_rate")) == keys, timeout=10), cells(browser, "engine_hit_rate")
+    assert wait_for(lambda: sorted(cells(browser, "engine_hit_rate")) == keys, timeout=10), cells(
+        browser, "engine_hit_rate"
+    )
     browser.execute_script("window.__sameDocument = true;")  # gone if the page reloads
     snapshots_before = js(browser, "window.dashboardSnapshots")
 
-    samples = datasets.prefix_repetition(num_prompts=60, prefix_len=256, suffix_len=64, num_prefixes=4, output_len=24,
-                                         seed=11, allowed=datasets.allowed_token_ids(4096))
+    samples = datasets.prefix_repetition(
+        num_prompts=60,
+        prefix_len=256,
+        suffix_len=64,
+        num_prefixes=4,
+        output_len=24,
+        seed=11,
+        allowed=datasets.allowed_token_ids(4096),
+    )
     workload = run_workload(router.url, samples)
     seen: dict[str, set[str]] = {k: set() for k in keys}
     while workload.is_alive():
@@ -119,17 +159,31 @@ def test_dashboard_shows_live_hit_rates_equal_to_the_engines_metrics(fleet, brow
     assert js(browser, "window.__sameDocument === true")
     assert js(browser, "window.dashboardSnapshots") > snapshots_before + 2
     for key in keys:
-        assert len(seen[key] - {"–"}) >= 2, f"{key}: the hit rate never moved during the run: {seen[key]}"
+        assert len(seen[key] - {"–"}) >= 2, (
+            f"{key}: the hit rate never moved during the run: {seen[key]}"
+        )
 
     # Within one refresh of the run's end, the table shows exactly the engine's own counters.
     def matches():
         m = metrics(engine.url)
-        want = {f"{engine.url}@{r}": (str(int(m[("prompt_tokens", r)])), str(int(m[("cached_tokens", r)])),
-                                      f"{100 * m[('cached_tokens', r)] / m[('prompt_tokens', r)]:.1f}%")
-                for r in range(DP)}
-        got = {k: (cells(browser, "engine_prompt_tokens")[k], cells(browser, "engine_cached_tokens")[k],
-                   cells(browser, "engine_hit_rate")[k]) for k in keys}
+        want = {
+            f"{engine.url}@{r}": (
+                str(int(m[("prompt_tokens", r)])),
+                str(int(m[("cached_tokens", r)])),
+                f"{100 * m[('cached_tokens', r)] / m[('prompt_tokens', r)]:.1f}%",
+            )
+            for r in range(DP)
+        }
+        got = {
+            k: (
+                cells(browser, "engine_prompt_tokens")[k],
+                cells(browser, "engine_cached_tokens")[k],
+                cells(browser, "engine_hit_rate")[k],
+            )
+            for k in keys
+        }
         return got == want, got, want
+
     deadline = time.monotonic() + 3 * SCRAPE_S + 2  # a scrape, a push, and slack for a busy host
     while True:
         ok, got, want = matches()
@@ -152,7 +206,9 @@ def ranks_of(router_url: str, prompt: list[int], n: int) -> list[str]:
     out = []
     with httpx.Client(base_url=router_url, timeout=60) as client:
         for _ in range(n):
-            r = client.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 2})
+            r = client.post(
+                "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 2}
+            )
             assert r.status_code == 200, r.text
             out.append(r.headers["x-data-parallel-rank"])
     return out
@@ -160,6 +216,7 @@ def ranks_of(router_url: str, prompt: list[int], n: int) -> list[str]:
 
 def test_the_policy_switch_on_the_dashboard_changes_the_next_requests_routing(fleet, browser):
     from selenium.webdriver.support.ui import Select
+
     engine, router = fleet
     if "/dashboard" not in browser.current_url:
         log_in(browser, router.url)
@@ -171,7 +228,9 @@ def test_the_policy_switch_on_the_dashboard_changes_the_next_requests_routing(fl
     assert wait_for(lambda: js(browser, "window.lastSnapshot.policy") == "round_robin", timeout=10)
     assert active_policy(router.url) == "round_robin"  # applied in the router, not only shown
     after = ranks_of(router.url, prompt, 6)
-    assert sorted(set(after)) == [str(r) for r in range(DP)], after  # the same prompt now goes everywhere
+    assert sorted(set(after)) == [str(r) for r in range(DP)], (
+        after
+    )  # the same prompt now goes everywhere
     assert js(browser, "window.lastSnapshot.policy_updated_by") == USER
 
     Select(browser.find_element("id", "policy-select")).select_by_value("cache_aware")
@@ -190,14 +249,18 @@ def test_anonymous_requests_are_refused(fleet):
 
     async def websocket():
         import aiohttp
+
         async with aiohttp.ClientSession() as session:
             try:
-                async with session.ws_connect(router.url.replace("http", "ws") + "/ws/dashboard/",
-                                              headers={"Origin": router.url}) as ws:
+                async with session.ws_connect(
+                    router.url.replace("http", "ws") + "/ws/dashboard/",
+                    headers={"Origin": router.url},
+                ) as ws:
                     message = await ws.receive(timeout=5)
                     return ("closed", ws.close_code, message.type)
             except aiohttp.WSServerHandshakeError as exc:
                 return ("refused", exc.status, None)
+
     outcome = asyncio.run(websocket())
     assert outcome[0] == "refused" and outcome[1] == 403 or outcome[:2] == ("closed", 4403), outcome
     assert active_policy(router.url) == "cache_aware"

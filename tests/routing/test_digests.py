@@ -1,10 +1,17 @@
 """The contract that makes routing work: for the same request, the router's block digests are the
 engine's (same tokenizer, same chat template, same chained xxh64), so its index speaks the
 engine's language. Without a tokenizer it falls back to chained digests of 64-character chunks."""
+
 import pytest
 import xxhash
 
-from apps.routing.digests import CHUNK_CHARS, load_tokenizer, routing_text, shape_request, text_digests
+from apps.routing.digests import (
+    CHUNK_CHARS,
+    load_tokenizer,
+    routing_text,
+    shape_request,
+    text_digests,
+)
 from engine.digests import chain_digests
 from engine.server.openai_api import chat_prompt, completion_prompt
 from engine.tiny import VOCAB_SIZE, ensure_tiny_model
@@ -22,23 +29,43 @@ def tokenizer(tiny_path):
     return load_tokenizer(tiny_path)
 
 
-CHAT = {"messages": [
-    {"role": "system", "content": "You are a careful assistant that answers questions about Python."},
-    {"role": "user", "content": "How does a for statement iterate over a sequence of items?"},
-    {"role": "assistant", "content": "It asks the object for an iterator and calls next() until it stops."},
-    {"role": "user", "content": "And what happens when the loop body raises an exception?"},
-]}
+CHAT = {
+    "messages": [
+        {
+            "role": "system",
+            "content": "You are a careful assistant that answers questions about Python.",
+        },
+        {"role": "user", "content": "How does a for statement iterate over a sequence of items?"},
+        {
+            "role": "assistant",
+            "content": "It asks the object for an iterator and calls next() until it stops.",
+        },
+        {"role": "user", "content": "And what happens when the loop body raises an exception?"},
+    ]
+}
 
-CHAT_PARTS = {"messages": [
-    {"role": "system", "content": [{"type": "text", "text": "You are a careful assistant "},
-                                   {"type": "text", "text": "that answers questions about Python."}]},
-    {"role": "user", "content": [{"type": "text", "text": "How does a with statement close a file?"}]},
-    {"role": "assistant", "content": None},
-    {"role": "user", "content": "Explain the context manager protocol briefly."},
-]}
+CHAT_PARTS = {
+    "messages": [
+        {
+            "role": "system",
+            "content": [
+                {"type": "text", "text": "You are a careful assistant "},
+                {"type": "text", "text": "that answers questions about Python."},
+            ],
+        },
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "How does a with statement close a file?"}],
+        },
+        {"role": "assistant", "content": None},
+        {"role": "user", "content": "Explain the context manager protocol briefly."},
+    ]
+}
 
-PROMPT = ("The import statement searches for the named module, then binds the results of that search "
-          "to a name in the local scope. Packages are modules that contain other modules.")
+PROMPT = (
+    "The import statement searches for the named module, then binds the results of that search "
+    "to a name in the local scope. Packages are modules that contain other modules."
+)
 
 
 @pytest.mark.parametrize("body", [CHAT, CHAT_PARTS], ids=["strings", "text-parts"])
@@ -52,10 +79,26 @@ def test_chat_digests_are_the_engines(body, tiny_path, tokenizer):
 
 
 def test_text_parts_digest_like_the_joined_string(tiny_path):
-    joined = {"messages": [{"role": "user", "content": "How does a with statement close a file? Tell me."}]}
-    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "How does a with statement "},
-                                                         {"type": "text", "text": "close a file? Tell me."}]}]}
-    assert shape_request(parts, True, tiny_path, 4).digests == shape_request(joined, True, tiny_path, 4).digests
+    joined = {
+        "messages": [
+            {"role": "user", "content": "How does a with statement close a file? Tell me."}
+        ]
+    }
+    parts = {
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "How does a with statement "},
+                    {"type": "text", "text": "close a file? Tell me."},
+                ],
+            }
+        ]
+    }
+    assert (
+        shape_request(parts, True, tiny_path, 4).digests
+        == shape_request(joined, True, tiny_path, 4).digests
+    )
 
 
 def test_chat_template_is_applied(tiny_path, tokenizer):
@@ -117,7 +160,7 @@ def test_fallback_digests_are_chained():
     base, other = text_digests(text), text_digests(changed)
     assert len(base) == len(other) == 4
     assert all(a != b for a, b in zip(base, other))  # changing chunk 0 changes every later digest
-    same_head = text_digests(text[:2 * CHUNK_CHARS] + "z" * (2 * CHUNK_CHARS))
+    same_head = text_digests(text[: 2 * CHUNK_CHARS] + "z" * (2 * CHUNK_CHARS))
     assert same_head[:2] == base[:2] and same_head[2] != base[2]
 
 
@@ -129,8 +172,12 @@ def test_fallback_short_text_has_no_digest():
 
 
 def test_fallback_for_chat_uses_roles_and_text():
-    body = {"messages": [{"role": "user", "content": "a" * 70}, {"role": "assistant", "content": [{"type": "text",
-                                                                                                  "text": "b"}]}]}
+    body = {
+        "messages": [
+            {"role": "user", "content": "a" * 70},
+            {"role": "assistant", "content": [{"type": "text", "text": "b"}]},
+        ]
+    }
     text = routing_text(body, True)
     assert text == "user:" + "a" * 70 + "\nassistant:b\n"
     assert shape_request(body, True, None, None).digests == text_digests(text)

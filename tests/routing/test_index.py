@@ -1,5 +1,6 @@
 """PrefixIndex: leading-block matches per rank, an LRU per rank bounded by its KV capacity, TTL
 expiry, and removal; every number exact, on a fake clock."""
+
 import pytest
 
 from apps.routing.index import PrefixIndex

@@ -1,6 +1,7 @@
 """The router follows its engines' KV events: its prefix index holds what the engine's cache holds,
 so it stops predicting hits for blocks the engine evicted (approximate mode would keep predicting
 them until they aged out)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -26,8 +27,12 @@ def test_snapshots_and_events_become_the_index():
     router, feed = feed_with(worker_view(1, url="http://w1", dp_size=2, kv_events="/kv_events"))
     router.index.insert("http://w1@0", [1, 2, 3])  # what routing inserted before the feed connected
     assert feed.apply(1, {"rank": 0, "snapshot": [1, 2, 9]})
-    assert router.index.match([1, 2, 3]) == {"http://w1@0": 2} and router.index.match([9]) == {"http://w1@0": 1}
-    assert feed.apply(1, {"rank": 1, "events": [["stored", [1, 2, 3]], ["removed", [2]], ["stored", [2]]]})
+    assert router.index.match([1, 2, 3]) == {"http://w1@0": 2} and router.index.match([9]) == {
+        "http://w1@0": 1
+    }
+    assert feed.apply(
+        1, {"rank": 1, "events": [["stored", [1, 2, 3]], ["removed", [2]], ["stored", [2]]]}
+    )
     assert router.index.match([1, 2, 3]) == {"http://w1@0": 2, "http://w1@1": 3}
     assert feed.apply(1, {"rank": 0, "events": [["removed", [1]]]})
     assert router.index.match([1, 2]) == {"http://w1@1": 2}
@@ -38,10 +43,15 @@ def test_snapshots_and_events_become_the_index():
 
 def test_readers_follow_the_workers_that_offer_events(monkeypatch):
     async def scenario():
-        router, feed = feed_with(worker_view(1, url="http://w1", dp_size=2, kv_events="/kv_events",
-                                             instance_id="first"))
-        router.fleet.put(worker_view(2, url="http://w2", dp_size=2))  # approximate: no events offered
-        router.fleet.put(worker_view(3, url="http://w3", dp_aware=False, kv_events="/kv_events"))  # no ranks known
+        router, feed = feed_with(
+            worker_view(1, url="http://w1", dp_size=2, kv_events="/kv_events", instance_id="first")
+        )
+        router.fleet.put(
+            worker_view(2, url="http://w2", dp_size=2)
+        )  # approximate: no events offered
+        router.fleet.put(
+            worker_view(3, url="http://w3", dp_aware=False, kv_events="/kv_events")
+        )  # no ranks known
         followed = []
 
         async def follow(worker_id, spec):
@@ -55,7 +65,9 @@ def test_readers_follow_the_workers_that_offer_events(monkeypatch):
         first = feed.readers[1][1]
         feed.reconcile()  # nothing changed: the same reader
         assert feed.readers[1][1] is first
-        router.fleet.put(worker_view(1, url="http://w1", dp_size=2, kv_events="/kv_events", instance_id="second"))
+        router.fleet.put(
+            worker_view(1, url="http://w1", dp_size=2, kv_events="/kv_events", instance_id="second")
+        )
         feed.reconcile()  # the engine restarted: start over from a new snapshot
         await asyncio.sleep(0)
         assert first.cancelled() and followed == [(1, "first"), (1, "second")]
@@ -68,24 +80,35 @@ def test_readers_follow_the_workers_that_offer_events(monkeypatch):
 
 @pytest.mark.slow
 def test_the_router_forgets_what_the_engine_evicted(tmp_path):
-    with start_engine(tmp_path, "--dp-size", "1", "--num-kv-blocks", "32") as engine, \
-            start_router(tmp_path, [engine.url], "router") as router:
+    with (
+        start_engine(tmp_path, "--dp-size", "1", "--num-kv-blocks", "32") as engine,
+        start_router(tmp_path, [engine.url], "router") as router,
+    ):
         target = f"{engine.url}@0"
-        assert wait_for(lambda: counter(router.url, "dpmesh_router_kv_events_connected") == 1, timeout=30)
+        assert wait_for(
+            lambda: counter(router.url, "dpmesh_router_kv_events_connected") == 1, timeout=30
+        )
 
         def send(prompt: list[int]) -> tuple[int, float]:
             """(engine-reported cached tokens, router-predicted cached tokens) of one request."""
             before = counter(router.url, "dpmesh_router_predicted_cached_tokens_total", target)
-            r = httpx.post(router.url + "/v1/completions", timeout=60,
-                           json={"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0})
+            r = httpx.post(
+                router.url + "/v1/completions",
+                timeout=60,
+                json={"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0},
+            )
             assert r.status_code == 200, r.text
-            return (r.json()["usage"]["prompt_tokens_details"]["cached_tokens"],
-                    counter(router.url, "dpmesh_router_predicted_cached_tokens_total", target) - before)
+            return (
+                r.json()["usage"]["prompt_tokens_details"]["cached_tokens"],
+                counter(router.url, "dpmesh_router_predicted_cached_tokens_total", target) - before,
+            )
 
         def index_is_the_engines_cache() -> bool:
             m = metrics(engine.url)
-            return counter(router.url, "dpmesh_router_index_blocks", target) == \
-                m[("kv_blocks_cached", 0)] + m[("kv_blocks_used", 0)]
+            return (
+                counter(router.url, "dpmesh_router_index_blocks", target)
+                == m[("kv_blocks_cached", 0)] + m[("kv_blocks_used", 0)]
+            )
 
         prompt = [7] * 8 + list(range(100, 192))  # 100 tokens: 6 full blocks, 96 tokens can hit
         assert send(prompt) == (0, 0)
@@ -107,7 +130,9 @@ def test_a_removal_racing_a_routed_request_waits_until_it_is_prefilled():
     feed.apply(1, {"rank": 0, "snapshot": [1, 2, 3, 4]})
     feed.on_route(key, [1, 2])  # two requests just routed there need blocks 1 and 2
     feed.on_route(key, [1])
-    feed.apply(1, {"rank": 0, "events": [["removed", [1, 2, 3]]]})  # evicted before they were admitted
+    feed.apply(
+        1, {"rank": 0, "events": [["removed", [1, 2, 3]]]}
+    )  # evicted before they were admitted
     assert router.index.match([1, 2]) == {key: 2} and router.index.match([3]) == {}
     feed.apply(1, {"rank": 0, "events": [["stored", [2]]]})  # one of them re-cached block 2
     feed.prefilled(key, [1, 2])

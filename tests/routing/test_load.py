@@ -1,5 +1,6 @@
 """RankLoad: a request's load begins once and ends exactly once, whatever order the proxy's paths
 call first_token and end in."""
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -12,7 +13,12 @@ def test_begin_first_token_end():
     load = RankLoad()
     a = load.begin(prompt_tokens=100, prefill_tokens=60)
     b = load.begin(prompt_tokens=30, prefill_tokens=30)
-    assert (load.requests, load.prompt_tokens, load.pending_prefill_tokens, load.dispatched) == (2, 130, 90, 2)
+    assert (load.requests, load.prompt_tokens, load.pending_prefill_tokens, load.dispatched) == (
+        2,
+        130,
+        90,
+        2,
+    )
     load.first_token(a)
     assert (load.requests, load.prompt_tokens, load.pending_prefill_tokens) == (2, 130, 30)
     load.first_token(a)  # once only
@@ -37,8 +43,15 @@ def test_end_is_idempotent_and_first_token_after_end_is_a_no_op():
     assert load.idle
 
 
-OPS = st.lists(st.tuples(st.sampled_from(["begin", "first_token", "end"]), st.integers(0, 5),
-                         st.integers(0, 300), st.integers(0, 300)), max_size=60)
+OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["begin", "first_token", "end"]),
+        st.integers(0, 5),
+        st.integers(0, 300),
+        st.integers(0, 300),
+    ),
+    max_size=60,
+)
 
 
 @settings(max_examples=200, deadline=None)
@@ -96,14 +109,26 @@ def test_peers_add_to_the_totals_but_never_to_the_own_counters():
     load.set_peer("b", requests=3, prompt_tokens=900, prefill_tokens=500, sessions=2.0, recent=4.0)
     load.set_peer("c", requests=1, prompt_tokens=50, prefill_tokens=0)
     assert (load.inflight, load.inflight_tokens, load.queued_prefill_tokens) == (5, 1050, 560)
-    assert (load.requests, load.prompt_tokens, load.pending_prefill_tokens) == (1, 100, 60)  # what is published
-    assert load.active_sessions() == pytest.approx(3.0) and load.own_active_sessions() == pytest.approx(1.0)
-    assert load.recent_requests() == pytest.approx(5.0) and load.own_recent_requests() == pytest.approx(1.0)
+    assert (load.requests, load.prompt_tokens, load.pending_prefill_tokens) == (
+        1,
+        100,
+        60,
+    )  # what is published
+    assert load.active_sessions() == pytest.approx(
+        3.0
+    ) and load.own_active_sessions() == pytest.approx(1.0)
+    assert load.recent_requests() == pytest.approx(
+        5.0
+    ) and load.own_recent_requests() == pytest.approx(1.0)
     clock.now += RECENT_HALF_LIFE_S  # a peer's decaying figures decay here from when they arrived
     assert load.recent_requests() == pytest.approx(2.5)
     load.begin(10, 10, continues_session=True)  # a peer's sessions never become this process's own
-    assert load.own_active_sessions() == pytest.approx(1.0 * 2 ** (-RECENT_HALF_LIFE_S / SESSION_HALF_LIFE_S) + 1)
-    load.set_peer("b", requests=0, prompt_tokens=0, prefill_tokens=0)  # a new snapshot replaces the old one
+    assert load.own_active_sessions() == pytest.approx(
+        1.0 * 2 ** (-RECENT_HALF_LIFE_S / SESSION_HALF_LIFE_S) + 1
+    )
+    load.set_peer(
+        "b", requests=0, prompt_tokens=0, prefill_tokens=0
+    )  # a new snapshot replaces the old one
     load.drop_peer("c")
     load.drop_peer("never-seen")
     assert (load.inflight, load.inflight_tokens, load.queued_prefill_tokens) == (2, 110, 70)

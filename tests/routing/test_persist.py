@@ -1,6 +1,7 @@
 """Routing counters in the database: several router processes sharing it add up (each writes
 its increments, never an absolute value), a restarted one starts from the rows, and the
 dashboard shows the rows plus what this process has not written yet."""
+
 from __future__ import annotations
 
 import pytest
@@ -36,6 +37,7 @@ def row():
 
 async def test_two_processes_add_up_and_a_restart_resumes(worker):
     from asgiref.sync import sync_to_async
+
     key = f"{URL}@0"
     a, b = await sync_to_async(make_router)(), await sync_to_async(make_router)()
     await restore_stats(a)
@@ -52,7 +54,10 @@ async def test_two_processes_add_up_and_a_restart_resumes(worker):
 
     a.stats.dispatched(key, 10, 0)  # not written yet: the dashboard still counts it
     snap = await sync_to_async(build_snapshot)(a)
-    assert (snap["workers"][0]["ranks"][0]["requests"], snap["workers"][0]["ranks"][0]["prompt_tokens"]) == (4, 260)
+    assert (
+        snap["workers"][0]["ranks"][0]["requests"],
+        snap["workers"][0]["ranks"][0]["prompt_tokens"],
+    ) == (4, 260)
 
     restarted = await sync_to_async(make_router)()
     await restore_stats(restarted)

@@ -2,6 +2,7 @@
 model -- prefix affinity, the engine's last-token rule, hot-prefix replication at the exact
 break-even point, stickiness of a session's private history, the recent-volume balance term, the
 slack band, even spread of cold requests -- and the simple baselines."""
+
 import collections
 import random
 
@@ -21,8 +22,14 @@ def shape(prompt_tokens: int, blocks: int | None = None) -> RequestShape:
 
 
 def cache_aware(seed=0, **params) -> CacheAware:
-    values = {"decode_weight": 16.0, "stickiness": 1.0, "balance_weight": 256.0, "slack": 0.0,
-              "new_session_slack": 0.0, **params}
+    values = {
+        "decode_weight": 16.0,
+        "stickiness": 1.0,
+        "balance_weight": 256.0,
+        "slack": 0.0,
+        "new_session_slack": 0.0,
+        **params,
+    }
     return CacheAware(rng=random.Random(seed), **values)
 
 
@@ -65,7 +72,9 @@ def test_matched_tokens_are_never_negative():
     assert policy.costs([t], RequestShape([], 0, B), {}) == [0]
 
 
-@pytest.mark.parametrize(("queued_prefill", "expected"), [(0, "home"), (63, "home"), (64, "tie"), (65, "away")])
+@pytest.mark.parametrize(
+    ("queued_prefill", "expected"), [(0, "home"), (63, "home"), (64, "tie"), (65, "away")]
+)
 def test_hot_shared_prefix_moves_away_exactly_when_home_costs_more(queued_prefill, expected):
     """65 prompt tokens whose 4 blocks (64 tokens) are a shared prefix cached at home. Both targets
     run one request of the same size (so the balance term is zero). Elsewhere the request costs
@@ -76,9 +85,15 @@ def test_hot_shared_prefix_moves_away_exactly_when_home_costs_more(queued_prefil
     away.load.begin(200, 0)
     s = shape(65, blocks=4)
     matched = {home.key: 4}
-    assert policy.costs([home, away], s, matched, shared_blocks=4) == [1 + queued_prefill + 16, 65 + 16]
-    picks = {policy.choose(order, s, matched, shared_blocks=4).key
-             for order in ([home, away], [away, home]) for _ in range(20)}
+    assert policy.costs([home, away], s, matched, shared_blocks=4) == [
+        1 + queued_prefill + 16,
+        65 + 16,
+    ]
+    picks = {
+        policy.choose(order, s, matched, shared_blocks=4).key
+        for order in ([home, away], [away, home])
+        for _ in range(20)
+    }
     assert picks == {"tie": {home.key, away.key}, "home": {home.key}, "away": {away.key}}[expected]
 
 
@@ -91,7 +106,10 @@ def test_private_history_is_stickier_than_a_shared_prefix(queued_prefill, expect
     home.load.begin(200, queued_prefill)
     away.load.begin(200, 0)
     s = shape(65, blocks=4)
-    assert policy.costs([home, away], s, {home.key: 4}, shared_blocks=0) == [17 + queued_prefill, 81 + 64]
+    assert policy.costs([home, away], s, {home.key: 4}, shared_blocks=0) == [
+        17 + queued_prefill,
+        81 + 64,
+    ]
     assert policy.choose([home, away], s, {home.key: 4}) is (home if expected == "home" else away)
     assert policy.choose([away, home], s, {home.key: 4}) is (home if expected == "home" else away)
 
@@ -109,7 +127,9 @@ def test_balance_term_sends_new_sessions_where_fewer_requests_and_sessions_are()
     clock = Clock()
     policy = cache_aware(balance_weight=100.0)
     busy, quiet = targets(2, clock=clock)
-    busy.load.begin(100, 0, continues_session=True)  # two in flight here, one of them a session's turn
+    busy.load.begin(
+        100, 0, continues_session=True
+    )  # two in flight here, one of them a session's turn
     busy.load.begin(100, 0)
     s = shape(40)
     # in flight 2 vs 0 (mean 1: +1 / -1), active sessions 1 vs 0 (+1 / -1): excess +1 / -1, pressure 1
@@ -134,7 +154,10 @@ def test_balance_term_is_off_when_the_fleet_is_idle_and_for_private_history():
     busy, quiet = targets(2, clock=clock)
     busy.load.end(busy.load.begin(300, 0))
     quiet.load.end(quiet.load.begin(100, 0))
-    assert policy.costs([busy, quiet], shape(40), {}) == [40, 40]  # nothing in flight: affinity alone
+    assert policy.costs([busy, quiet], shape(40), {}) == [
+        40,
+        40,
+    ]  # nothing in flight: affinity alone
     busy.load.begin(10, 0)
     quiet.load.begin(10, 0)
     # a session whose history (4 private blocks) sits on busy: no balance term, stickiness instead
@@ -145,7 +168,9 @@ def test_balance_term_never_outweighs_a_large_cached_prefix():
     clock = Clock()
     policy = cache_aware()
     home, away = targets(2, clock=clock)
-    home.load.begin(5000, 0)  # in flight 1 vs 0 (+1 / -1), no sessions: excess +0.5 / -0.5; pressure 1/2
+    home.load.begin(
+        5000, 0
+    )  # in flight 1 vs 0 (+1 / -1), no sessions: excess +0.5 / -0.5; pressure 1/2
     s = shape(1000, blocks=62)
     costs = policy.costs([home, away], s, {home.key: 62}, shared_blocks=62)
     assert costs == [8 + 16 + 64, 1000 - 64]
@@ -183,12 +208,20 @@ def test_a_new_session_goes_to_the_least_recently_loaded_of_the_nearly_cheapest(
     policy = cache_aware(balance_weight=0.0, new_session_slack=192.0)
     assert policy.costs([home, idle], s, matched, shared_blocks=12) == [8, 200]
     assert policy.choose([home, idle], s, matched, shared_blocks=12) is idle
-    assert cache_aware(balance_weight=0.0, new_session_slack=191.0).choose(
-        [home, idle], s, matched, shared_blocks=12) is home
+    assert (
+        cache_aware(balance_weight=0.0, new_session_slack=191.0).choose(
+            [home, idle], s, matched, shared_blocks=12
+        )
+        is home
+    )
     # the same blocks as private history: the narrow slack applies, and stranding them costs more
     assert policy.costs([home, idle], s, matched) == [8, 392]
-    assert cache_aware(balance_weight=0.0, slack=32.0, new_session_slack=1000.0).choose(
-        [home, idle], s, matched) is home
+    assert (
+        cache_aware(balance_weight=0.0, slack=32.0, new_session_slack=1000.0).choose(
+            [home, idle], s, matched
+        )
+        is home
+    )
 
 
 def test_cold_requests_spread_evenly_under_load():
@@ -269,16 +302,23 @@ def test_random_covers_all_targets():
 def test_make_policy():
     assert isinstance(make_policy("cache_aware", decode_weight=4.0), CacheAware)
     assert make_policy("cache_aware", decode_weight=4.0).decode_weight == 4.0
-    assert {type(make_policy(n)) for n in ("round_robin", "random", "power_of_two")} == {RoundRobin, Random,
-                                                                                           PowerOfTwo}
+    assert {type(make_policy(n)) for n in ("round_robin", "random", "power_of_two")} == {
+        RoundRobin,
+        Random,
+        PowerOfTwo,
+    }
     with pytest.raises(ValueError, match="unknown policy 'sticky'"):
         make_policy("sticky")
 
 
-@pytest.mark.parametrize("policy", [cache_aware(balance_weight=512.0, new_session_slack=256.0), PowerOfTwo()])
+@pytest.mark.parametrize(
+    "policy", [cache_aware(balance_weight=512.0, new_session_slack=256.0), PowerOfTwo()]
+)
 def test_other_router_processes_load_counts_like_this_ones(policy):
     """A rank another router process has filled is as busy as if this process had filled it."""
     policy.rng = random.Random(3)
     ts = targets(2)
     ts[0].load.set_peer("other-process", requests=2, prompt_tokens=400, prefill_tokens=0)
-    assert collections.Counter(policy.choose(ts, shape(40), {}).key for _ in range(20)) == {ts[1].key: 20}
+    assert collections.Counter(policy.choose(ts, shape(40), {}).key for _ in range(20)) == {
+        ts[1].key: 20
+    }

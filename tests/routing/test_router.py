@@ -1,5 +1,6 @@
 """Router.route / finish on a hand-filled fleet: commit (load + index), prediction, stats,
 availability (health, draining, circuit), exclusion, models, and switching policies."""
+
 import random
 
 import pytest
@@ -12,8 +13,12 @@ from engine.server.openai_api import chat_prompt
 from engine.tiny import ensure_tiny_model
 from tests.routing.helpers import worker_view
 
-CHAT = {"messages": [{"role": "system", "content": "You answer questions about the Python language."},
-                     {"role": "user", "content": "What does the yield statement do inside a function body?"}]}
+CHAT = {
+    "messages": [
+        {"role": "system", "content": "You answer questions about the Python language."},
+        {"role": "user", "content": "What does the yield statement do inside a function body?"},
+    ]
+}
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +51,9 @@ def test_route_commits_load_and_index_and_the_repeat_is_predicted(tiny_path, cha
     assert router.index.match(first.shape.digests) == {key: 2}
     router.first_token(first)
     assert load.pending_prefill_tokens == 0
-    router.finish(first, ok=True, usage={"prompt_tokens": 43, "prompt_tokens_details": {"cached_tokens": 0}})
+    router.finish(
+        first, ok=True, usage={"prompt_tokens": 43, "prompt_tokens_details": {"cached_tokens": 0}}
+    )
     assert load.idle
 
     second = router.route(CHAT, True, "tiny")
@@ -55,8 +62,16 @@ def test_route_commits_load_and_index_and_the_repeat_is_predicted(tiny_path, cha
     assert (load.requests, load.pending_prefill_tokens) == (1, 11)
     router.finish(second, ok=True, usage={"prompt_tokens_details": {"cached_tokens": 32}})
     stats = router.stats.targets[key].as_dict()
-    assert stats == {"requests": 2, "prompt_tokens": 86, "predicted_tokens": 32, "completed": 2, "errors": 0, "aborted": 0,
-                     "reported": 2, "cached_tokens": 32}
+    assert stats == {
+        "requests": 2,
+        "prompt_tokens": 86,
+        "predicted_tokens": 32,
+        "completed": 2,
+        "errors": 0,
+        "aborted": 0,
+        "reported": 2,
+        "cached_tokens": 32,
+    }
     assert load.idle
 
 
@@ -81,7 +96,13 @@ def test_finish_is_idempotent_and_records_errors(tiny_path):
     router.finish(routed, ok=False)
     router.finish(routed, ok=True, usage={"prompt_tokens_details": {"cached_tokens": 5}})
     stats = router.stats.targets[routed.target.key]
-    assert (stats.requests, stats.completed, stats.errors, stats.reported, stats.cached_tokens) == (1, 0, 1, 0, 0)
+    assert (stats.requests, stats.completed, stats.errors, stats.reported, stats.cached_tokens) == (
+        1,
+        0,
+        1,
+        0,
+        0,
+    )
     assert routed.finished and routed.target.load.idle
 
 
@@ -111,7 +132,11 @@ def test_finish_without_usage_counts_completion_only(tiny_path):
 def test_a_successful_finish_closes_a_half_open_circuit(tiny_path):
     router = make_router(tiny_path, workers=((1, "tiny", 1),))
     target = router.fleet.all_targets()[0]
-    target.breaker.failure_threshold, target.breaker.open_s, target.breaker.success_threshold = 1, 0.0, 1
+    target.breaker.failure_threshold, target.breaker.open_s, target.breaker.success_threshold = (
+        1,
+        0.0,
+        1,
+    )
     target.breaker.record_failure()
     assert target.breaker.state == "half_open"
     router.finish(router.route({"prompt": "x"}, False, None), ok=True)
@@ -126,8 +151,12 @@ def test_a_half_open_target_takes_one_trial_request_at_a_time(tiny_path):
     routed = router.route({"prompt": "x"}, False, None, exclude={healthy.key})
     assert routed.target is sick and routed.trial
     others = [router.route({"prompt": "x"}, False, None) for _ in range(3)]
-    assert all(r.target is healthy and not r.trial for r in others)  # no second trial while one runs
-    router.finish(routed, ok=False)  # ended without success (the proxy records upstream failures itself)
+    assert all(
+        r.target is healthy and not r.trial for r in others
+    )  # no second trial while one runs
+    router.finish(
+        routed, ok=False
+    )  # ended without success (the proxy records upstream failures itself)
     again = router.route({"prompt": "x"}, False, None, exclude={healthy.key})
     assert again.target is sick and again.trial  # the slot is free again
     router.finish(again, ok=True)
@@ -189,7 +218,9 @@ def test_exclude_skips_targets(tiny_path):
     router.finish(first, ok=True)
     home = first.target
     other = t1 if home is t0 else t0
-    retry = router.route(CHAT, True, None, exclude={home.key})  # the retry goes elsewhere, cache or not
+    retry = router.route(
+        CHAT, True, None, exclude={home.key}
+    )  # the retry goes elsewhere, cache or not
     assert retry.target is other and retry.predicted_tokens == 0
     with pytest.raises(NoTarget):
         router.route(CHAT, True, None, exclude={t0.key, t1.key})
@@ -248,11 +279,17 @@ def test_sync_capacity_bounds_the_index(tiny_path):
 
 def test_foreign_worker_routes_on_text_digests(tiny_path):
     router = Router(RouterConfig(dp_aware=False), rng=random.Random(0))
-    router.fleet.put(worker_view(1, dp_size=1, dp_aware=False, block_size=None, tokenizer_path=None))
+    router.fleet.put(
+        worker_view(1, dp_size=1, dp_aware=False, block_size=None, tokenizer_path=None)
+    )
     text = "q" * 200
     first = router.route({"prompt": text}, False, None)
     assert first.target.key == "http://w1" and first.target.rank is None
-    assert (len(first.shape.digests), first.shape.block_tokens, first.shape.prompt_tokens) == (3, 16, 50)
+    assert (len(first.shape.digests), first.shape.block_tokens, first.shape.prompt_tokens) == (
+        3,
+        16,
+        50,
+    )
     router.finish(first, ok=True)
     assert router.route({"prompt": text}, False, None).predicted_tokens == 48
 
@@ -269,4 +306,6 @@ def test_index_entries_are_in_each_targets_own_block_size(tiny_path):
     routed = router.route(CHAT, True, None)
     assert routed.target.key == "http://w2@0"
     assert routed.shape.block_tokens == 4
-    assert router.index.match(chain_digests(ids, 4), ["http://w2@0"]) == {"http://w2@0": len(ids) // 4}
+    assert router.index.match(chain_digests(ids, 4), ["http://w2@0"]) == {
+        "http://w2@0": len(ids) // 4
+    }

@@ -11,6 +11,7 @@ reach both engines) and two engines serve the whole module (an engine takes ~20 
 stand-in test registers its own stand-in through ``POST /workers`` under a model name of its own,
 so its requests reach only that stand-in.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -28,9 +29,21 @@ import pytest
 
 from tests.support import procs
 from tests.support.procs import ServerProcess, free_port, wait_for
-from tests.support.router_checks import (ADMIN_HEADERS, assert_idle, body_for, busy_targets, counter,
-                                         healthy_targets, kill_hard, path_for, router_load, sse_events,
-                                         start_engine_on, start_router, texts)
+from tests.support.router_checks import (
+    ADMIN_HEADERS,
+    assert_idle,
+    body_for,
+    busy_targets,
+    counter,
+    healthy_targets,
+    kill_hard,
+    path_for,
+    router_load,
+    sse_events,
+    start_engine_on,
+    start_router,
+    texts,
+)
 from tests.support.standin import Behaviour, StandIn
 
 pytestmark = pytest.mark.slow
@@ -39,18 +52,33 @@ HEALTH_INTERVAL_S, FAILURE_THRESHOLD = 1, 2
 REQUEST_TIMEOUT_S = 6.0
 
 
-def start_test_router(tmp: Path, worker_urls: list[str], name: str, policy: str = "cache_aware") -> ServerProcess:
-    return start_router(tmp, worker_urls, name, "--policy", policy,
-                        "--health-check-interval-secs", str(HEALTH_INTERVAL_S),
-                        "--health-failure-threshold", str(FAILURE_THRESHOLD), "--health-success-threshold", "1",
-                        "--request-timeout-secs", str(REQUEST_TIMEOUT_S))
+def start_test_router(
+    tmp: Path, worker_urls: list[str], name: str, policy: str = "cache_aware"
+) -> ServerProcess:
+    return start_router(
+        tmp,
+        worker_urls,
+        name,
+        "--policy",
+        policy,
+        "--health-check-interval-secs",
+        str(HEALTH_INTERVAL_S),
+        "--health-failure-threshold",
+        str(FAILURE_THRESHOLD),
+        "--health-success-threshold",
+        "1",
+        "--request-timeout-secs",
+        str(REQUEST_TIMEOUT_S),
+    )
 
 
 @dataclass
 class Cluster:
     tmp: Path
     router: ServerProcess  # cache_aware
-    failover: ServerProcess  # round_robin: the worker-down test needs to know requests reach both engines
+    failover: (
+        ServerProcess  # round_robin: the worker-down test needs to know requests reach both engines
+    )
     engine: ServerProcess  # dp 2, stays up
     spare: ServerProcess  # dp 1, killed and restarted by the worker-down test
     spare_port: int
@@ -71,15 +99,23 @@ def cluster(tmp_path_factory):
     routers, engines, cluster = [], [], None
     try:
         with ThreadPoolExecutor(2) as pool:
-            routers += _results([pool.submit(start_test_router, tmp, urls, "router"),
-                                 pool.submit(start_test_router, tmp, urls, "failover", "round_robin")])
+            routers += _results(
+                [
+                    pool.submit(start_test_router, tmp, urls, "router"),
+                    pool.submit(start_test_router, tmp, urls, "failover", "round_robin"),
+                ]
+            )
         before = []
         for server in routers:
             r = httpx.get(server.url + "/health", timeout=5)
             before.append((r.status_code, r.json()))
         with ThreadPoolExecutor(2) as pool:
-            engines += _results([pool.submit(start_engine_on, tmp, engine_port, 2, "engine"),
-                                 pool.submit(start_engine_on, tmp, spare_port, 1, "spare")])
+            engines += _results(
+                [
+                    pool.submit(start_engine_on, tmp, engine_port, 2, "engine"),
+                    pool.submit(start_engine_on, tmp, spare_port, 1, "spare"),
+                ]
+            )
         cluster = Cluster(tmp, *routers, *engines, spare_port, before)
         yield cluster
     finally:
@@ -111,7 +147,9 @@ def standin(cluster):
 
     def make(dp_size: int = 2, default: Behaviour | None = None) -> StandIn:
         s = StandIn(dp_size=dp_size, model=f"standin-{next(_models)}", default=default).start()
-        r = httpx.post(cluster.url + "/workers", json={"url": s.url}, timeout=10, headers=ADMIN_HEADERS)
+        r = httpx.post(
+            cluster.url + "/workers", json={"url": s.url}, timeout=10, headers=ADMIN_HEADERS
+        )
         assert r.status_code == 201, r.text
         made.append((s, r.json()["id"]))
         return s
@@ -134,7 +172,9 @@ def test_normal_streams_and_non_streams_release_load(cluster, standin):
     s = standin(dp_size=2)
     with httpx.Client(base_url=cluster.url, timeout=30) as client:
         for model in ("tiny", s.model):
-            for chat, stream, usage in itertools.product((False, True), (False, True), (None, True)):
+            for chat, stream, usage in itertools.product(
+                (False, True), (False, True), (None, True)
+            ):
                 if usage and not stream:
                     continue
                 body = body_for(model, chat=chat, stream=stream, usage=usage)
@@ -160,13 +200,22 @@ def test_upstream_4xx_is_passed_through_and_releases_load(cluster, standin):
             before = len(s.received)
             r = client.post("/v1/completions", json=body_for(s.model, chat=False, stream=stream))
             assert r.status_code == 400
-            assert r.json() == {"error": {"message": "stand-in says 400", "type": "invalid_request_error",
-                                          "param": None, "code": 400}}
+            assert r.json() == {
+                "error": {
+                    "message": "stand-in says 400",
+                    "type": "invalid_request_error",
+                    "param": None,
+                    "code": 400,
+                }
+            }
             assert len(s.received) == before + 1, "a 4xx must not be retried"
         # the engine's own 400 (a rank out of range is not the router's business: it overwrites the
         # rank, so use a bad max_tokens) comes back with the engine's body
         for stream in (False, True):
-            r = client.post("/v1/chat/completions", json=body_for("tiny", chat=True, stream=stream, max_tokens=-3))
+            r = client.post(
+                "/v1/chat/completions",
+                json=body_for("tiny", chat=True, stream=stream, max_tokens=-3),
+            )
             assert r.status_code == 400, r.text
             assert r.json()["error"]["param"] == "max_tokens"
     assert_idle(cluster.url)
@@ -177,7 +226,11 @@ def test_upstream_5xx_is_retried_on_every_target_then_returned(cluster, standin)
     retries = counter(cluster.url, "dpmesh_router_retries_total")
     for stream in (False, True):
         before = len(s.received)
-        r = httpx.post(cluster.url + "/v1/completions", json=body_for(s.model, chat=False, stream=stream), timeout=30)
+        r = httpx.post(
+            cluster.url + "/v1/completions",
+            json=body_for(s.model, chat=False, stream=stream),
+            timeout=30,
+        )
         assert r.status_code == 500, r.text
         assert r.json()["error"]["code"] == 500
         tried = s.received[before:]
@@ -188,17 +241,25 @@ def test_upstream_5xx_is_retried_on_every_target_then_returned(cluster, standin)
 
 def test_upstream_timeout_answers_504_and_a_stalled_stream_ends_with_an_error(cluster, standin):
     hung = standin(dp_size=1, default=Behaviour.hang())
-    stalled = standin(dp_size=1, default=Behaviour(tokens=3, token_interval_s=REQUEST_TIMEOUT_S + 3))
+    stalled = standin(
+        dp_size=1, default=Behaviour(tokens=3, token_interval_s=REQUEST_TIMEOUT_S + 3)
+    )
 
     def hang():
         t0 = time.monotonic()
-        r = httpx.post(cluster.url + "/v1/completions", json=body_for(hung.model, chat=False, stream=False),
-                       timeout=30)
+        r = httpx.post(
+            cluster.url + "/v1/completions",
+            json=body_for(hung.model, chat=False, stream=False),
+            timeout=30,
+        )
         return r, time.monotonic() - t0
 
     def stall():
-        r = httpx.post(cluster.url + "/v1/completions", json=body_for(stalled.model, chat=False, stream=True),
-                       timeout=30)
+        r = httpx.post(
+            cluster.url + "/v1/completions",
+            json=body_for(stalled.model, chat=False, stream=True),
+            timeout=30,
+        )
         return r
 
     with ThreadPoolExecutor(2) as pool:  # both wait out the router's timeout together
@@ -206,8 +267,9 @@ def test_upstream_timeout_answers_504_and_a_stalled_stream_ends_with_an_error(cl
         (r, elapsed), streamed = hang_job.result(), stall_job.result()
     assert r.status_code == 504, r.text
     assert REQUEST_TIMEOUT_S - 0.5 < elapsed < REQUEST_TIMEOUT_S + 3
-    assert wait_for(lambda: hung.received and hung.received[0].disconnected, timeout=3), \
+    assert wait_for(lambda: hung.received and hung.received[0].disconnected, timeout=3), (
         "the router must close the upstream connection it gave up on"
+    )
     assert streamed.status_code == 200
     events = sse_events(streamed.text)
     assert texts(events) == ["tok0 "]
@@ -217,7 +279,9 @@ def test_upstream_timeout_answers_504_and_a_stalled_stream_ends_with_an_error(cl
 
 
 def test_client_disconnect_mid_stream_aborts_the_engine_request(cluster):
-    body = body_for("tiny", chat=True, stream=True, max_tokens=1500, prompt="tell me a long story " * 8)
+    body = body_for(
+        "tiny", chat=True, stream=True, max_tokens=1500, prompt="tell me a long story " * 8
+    )
     with httpx.Client(base_url=cluster.url, timeout=30) as client:
         with client.stream("POST", "/v1/chat/completions", json=body) as r:
             assert r.status_code == 200
@@ -229,16 +293,23 @@ def test_client_disconnect_mid_stream_aborts_the_engine_request(cluster):
             lines = r.iter_lines()  # (closing this iterator would close the connection)
             assert sum(next(lines).startswith("data: ") for _ in range(10)) == 5
             # the ranks publish their stats every 0.25 s
-            assert wait_for(lambda: procs.metrics(server.url)[("kv_blocks_used", rank)] > 0, timeout=2)
+            assert wait_for(
+                lambda: procs.metrics(server.url)[("kv_blocks_used", rank)] > 0, timeout=2
+            )
             assert busy_targets(cluster.url)
         # leaving the block closes the connection: the client is gone mid-stream
 
     def aborted():
         m = procs.metrics(server.url)
-        return m[("request_aborts", rank)] == before[("request_aborts", rank)] + 1 and m[("kv_blocks_used", rank)] == 0
+        return (
+            m[("request_aborts", rank)] == before[("request_aborts", rank)] + 1
+            and m[("kv_blocks_used", rank)] == 0
+        )
 
     assert wait_for(aborted, timeout=5), procs.metrics(server.url)
-    assert procs.metrics(server.url)[("requests", rank)] == before[("requests", rank)], "it must not have finished"
+    assert procs.metrics(server.url)[("requests", rank)] == before[("requests", rank)], (
+        "it must not have finished"
+    )
     assert_idle(cluster.url)
     # the client left: counted as aborted, not as the target's error
     assert counter(cluster.url, "dpmesh_router_aborted_total", target) == aborted_before + 1
@@ -252,11 +323,18 @@ def test_client_disconnect_before_the_first_byte_releases_load(cluster, standin,
     errors_before = counter(cluster.url, "dpmesh_router_errors_total")
     t0 = time.monotonic()
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(cluster.url + "/v1/completions", json=body_for(s.model, chat=False, stream=stream), timeout=0.5)
+        httpx.post(
+            cluster.url + "/v1/completions",
+            json=body_for(s.model, chat=False, stream=stream),
+            timeout=0.5,
+        )
     assert_idle(cluster.url, timeout=1.5)
-    assert time.monotonic() - t0 < REQUEST_TIMEOUT_S - 1, "load must be released when the client leaves, " \
-                                                          "not when the upstream answers"
-    assert wait_for(lambda: s.received[0].disconnected, timeout=2), "the upstream request must be abandoned too"
+    assert time.monotonic() - t0 < REQUEST_TIMEOUT_S - 1, (
+        "load must be released when the client leaves, not when the upstream answers"
+    )
+    assert wait_for(lambda: s.received[0].disconnected, timeout=2), (
+        "the upstream request must be abandoned too"
+    )
     assert len(s.received) == 1
     assert counter(cluster.url, "dpmesh_router_aborted_total") == aborted_before + 1
     assert counter(cluster.url, "dpmesh_router_errors_total") == errors_before
@@ -270,10 +348,20 @@ def test_a_burst_of_new_sessions_is_spread_over_idle_ranks(cluster, standin):
         assert httpx.post(cluster.url + "/v1/completions", json=body, timeout=30).status_code == 200
     with httpx.Client(base_url=cluster.url, timeout=30) as client, ExitStack() as streams:
         for i in range(6):  # six short new sessions, all decoding at once
-            body = body_for(s.model, chat=False, stream=True, prompt=f"short session {i:02d} says hi")
-            assert streams.enter_context(client.stream("POST", "/v1/completions", json=body)).status_code == 200
-        inflight = [g["dpmesh_router_inflight_requests"] for t, g in router_load(cluster.url).items()
-                    if t.startswith(s.url)]
+            body = body_for(
+                s.model, chat=False, stream=True, prompt=f"short session {i:02d} says hi"
+            )
+            assert (
+                streams.enter_context(
+                    client.stream("POST", "/v1/completions", json=body)
+                ).status_code
+                == 200
+            )
+        inflight = [
+            g["dpmesh_router_inflight_requests"]
+            for t, g in router_load(cluster.url).items()
+            if t.startswith(s.url)
+        ]
     assert_idle(cluster.url)
     # spread, not piled: every rank takes part and none takes half (the policy also weighs the long
     # prompts the first two ranks just served, so an exact 2/2/2 is not the goal)
@@ -286,7 +374,11 @@ def test_503_is_retried_on_another_target(cluster, standin, stream):
     s = standin(dp_size=2)
     s.script.append(Behaviour(status=503))  # the first attempt, wherever it goes
     retries = counter(cluster.url, "dpmesh_router_retries_total")
-    r = httpx.post(cluster.url + "/v1/completions", json=body_for(s.model, chat=False, stream=stream), timeout=30)
+    r = httpx.post(
+        cluster.url + "/v1/completions",
+        json=body_for(s.model, chat=False, stream=stream),
+        timeout=30,
+    )
     assert r.status_code == 200, r.text
     first, second = s.received
     assert first.rank != second.rank
@@ -316,13 +408,20 @@ def test_no_retry_after_the_first_byte(cluster, standin, chat):
 
 # ----- 4. a worker that is not up yet is discovered -------------------------------------------------
 def test_workers_named_before_they_are_up_are_discovered(cluster):
-    expected = sorted([f"{cluster.engine.url}@0", f"{cluster.engine.url}@1", f"{cluster.spare.url}@0"])
-    for router, (status, body) in zip((cluster.router, cluster.failover), cluster.health_before_engines):
+    expected = sorted(
+        [f"{cluster.engine.url}@0", f"{cluster.engine.url}@1", f"{cluster.spare.url}@0"]
+    )
+    for router, (status, body) in zip(
+        (cluster.router, cluster.failover), cluster.health_before_engines
+    ):
         assert (status, body["targets"]) == (503, [])
-        assert wait_for(lambda: sorted(healthy_targets(router.url)) == expected, timeout=5), healthy_targets(router.url)
+        assert wait_for(lambda: sorted(healthy_targets(router.url)) == expected, timeout=5), (
+            healthy_targets(router.url)
+        )
         workers = httpx.get(router.url + "/workers", timeout=5).json()["workers"]
-        assert sorted((w["url"], w["dp_size"], w["health"]) for w in workers if "standin" not in w["model"]) == \
-            sorted([(cluster.engine.url, 2, "healthy"), (cluster.spare.url, 1, "healthy")])
+        assert sorted(
+            (w["url"], w["dp_size"], w["health"]) for w in workers if "standin" not in w["model"]
+        ) == sorted([(cluster.engine.url, 2, "healthy"), (cluster.spare.url, 1, "healthy")])
 
 
 def test_a_late_worker_turns_health_to_200(tmp_path):
@@ -332,25 +431,50 @@ def test_a_late_worker_turns_health_to_200(tmp_path):
         assert r.status_code == 503 and r.json()["targets"] == []
         with StandIn(dp_size=2, model="late").start(port=port):
             t0 = time.monotonic()
-            assert wait_for(lambda: httpx.get(router.url + "/health", timeout=5).status_code == 200, timeout=5)
-            assert time.monotonic() - t0 < 3, "the health loop retries undiscovered workers every 0.5 s"
-            assert sorted(healthy_targets(router.url)) == [f"http://127.0.0.1:{port}@0", f"http://127.0.0.1:{port}@1"]
-            r = httpx.post(router.url + "/v1/completions", json=body_for("late", chat=False, stream=False), timeout=10)
+            assert wait_for(
+                lambda: httpx.get(router.url + "/health", timeout=5).status_code == 200, timeout=5
+            )
+            assert time.monotonic() - t0 < 3, (
+                "the health loop retries undiscovered workers every 0.5 s"
+            )
+            assert sorted(healthy_targets(router.url)) == [
+                f"http://127.0.0.1:{port}@0",
+                f"http://127.0.0.1:{port}@1",
+            ]
+            r = httpx.post(
+                router.url + "/v1/completions",
+                json=body_for("late", chat=False, stream=False),
+                timeout=10,
+            )
             assert r.status_code == 200, r.text
 
 
 # ----- 5. the openai client through the router ------------------------------------------------------
 @pytest.fixture
 def oai(cluster):
-    with openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=60) as client:
+    with openai.OpenAI(
+        base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=60
+    ) as client:
         yield client
 
 
 def test_openai_client_non_streaming_usage(oai, cluster):
-    prompt = "the quick brown fox jumps over the lazy dog and keeps running " * 6  # several full blocks
-    chat = [oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt}],
-                                        max_tokens=4, temperature=0) for _ in range(2)]
-    text = [oai.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0) for _ in range(2)]
+    prompt = (
+        "the quick brown fox jumps over the lazy dog and keeps running " * 6
+    )  # several full blocks
+    chat = [
+        oai.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": prompt}],
+            max_tokens=4,
+            temperature=0,
+        )
+        for _ in range(2)
+    ]
+    text = [
+        oai.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0)
+        for _ in range(2)
+    ]
     for first, repeat in (chat, text):
         for usage in (first.usage, repeat.usage):
             assert 0 <= usage.prompt_tokens_details.cached_tokens < usage.prompt_tokens, usage
@@ -364,17 +488,30 @@ def test_openai_client_non_streaming_usage(oai, cluster):
 def test_openai_client_streaming_usage_only_when_asked(oai, cluster, chat):
     def stream(**extra):
         if chat:
-            return list(oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi there"}],
-                                                    max_tokens=4, temperature=0, stream=True, **extra))
-        return list(oai.completions.create(model="tiny", prompt="hi there", max_tokens=4, temperature=0,
-                                           stream=True, **extra))
+            return list(
+                oai.chat.completions.create(
+                    model="tiny",
+                    messages=[{"role": "user", "content": "hi there"}],
+                    max_tokens=4,
+                    temperature=0,
+                    stream=True,
+                    **extra,
+                )
+            )
+        return list(
+            oai.completions.create(
+                model="tiny", prompt="hi there", max_tokens=4, temperature=0, stream=True, **extra
+            )
+        )
 
     with_usage = stream(stream_options={"include_usage": True})
     assert with_usage[-1].usage is not None and not with_usage[-1].choices
     assert with_usage[-1].usage.prompt_tokens_details.cached_tokens >= 0
     assert all(c.usage is None for c in with_usage[:-1])
     without = stream()
-    assert without and all(c.usage is None for c in without), "the router must strip the usage it asked for"
+    assert without and all(c.usage is None for c in without), (
+        "the router must strip the usage it asked for"
+    )
     assert all(c.choices for c in without)
     assert_idle(cluster.url)
 
@@ -387,13 +524,17 @@ class StreamReader(threading.Thread):
     def __init__(self, url: str, i: int, leave: threading.Event, stay_on: str):
         super().__init__(daemon=True)
         self.url, self.leave, self.stay_on = url, leave, stay_on
-        self.body = body_for("tiny", chat=False, stream=True, max_tokens=1500, prompt=f"stream {i} goes on and on")
+        self.body = body_for(
+            "tiny", chat=False, stream=True, max_tokens=1500, prompt=f"stream {i} goes on and on"
+        )
         self.target, self.events, self.error = None, [], None
         self.started = threading.Event()
 
     def run(self):
         try:
-            with httpx.stream("POST", self.url + "/v1/completions", json=self.body, timeout=30) as r:
+            with httpx.stream(
+                "POST", self.url + "/v1/completions", json=self.body, timeout=30
+            ) as r:
                 self.target, buffer = r.headers.get("x-routed-target"), ""
                 for text in r.iter_text():
                     buffer += text
@@ -411,7 +552,9 @@ class StreamReader(threading.Thread):
 def plain_request(url: str, i: int) -> httpx.Response:
     """A non-streamed completion: its answer comes whole at the end, so until then nothing has
     reached the client and the router may still retry it."""
-    body = body_for("tiny", chat=False, stream=False, max_tokens=160, prompt=f"plain {i} goes on and on")
+    body = body_for(
+        "tiny", chat=False, stream=False, max_tokens=160, prompt=f"plain {i} goes on and on"
+    )
     return httpx.post(url + "/v1/completions", json=body, timeout=30)
 
 
@@ -424,6 +567,7 @@ def load_the_spare(url: str, spare_target: str, pool, leave: threading.Event):
         streams.append(StreamReader(url, len(streams), leave, stay_on=spare_target))
         streams[-1].start()
         assert streams[-1].started.wait(20)
+
     def streams_on_spare():  # recounted each time: a stream may end meanwhile on a fast host
         return sum(s.target == spare_target and s.is_alive() for s in streams)
 
@@ -451,7 +595,9 @@ def test_dead_worker_is_taken_out_requests_go_elsewhere_and_it_comes_back(cluste
     for s in streams:
         s.join(30)
     assert taken_out_after < limit, f"taken out after {taken_out_after:.1f} s"
-    assert wait_for(lambda: spare_target not in healthy_targets(cluster.url), timeout=2), "the other router too"
+    assert wait_for(lambda: spare_target not in healthy_targets(cluster.url), timeout=2), (
+        "the other router too"
+    )
     # the plain requests had sent nothing to the client: retried on the engine that lives
     for r in plain_answers:
         assert r.status_code == 200 and r.headers["x-routed-target"].startswith(engine), r.text
@@ -474,13 +620,18 @@ def test_dead_worker_is_taken_out_requests_go_elsewhere_and_it_comes_back(cluste
     # it comes back on the same port: put back within a health round or two
     cluster.spare = start_engine_on(cluster.tmp, cluster.spare_port, 1, "spare-restarted")
     for router_url in (url, cluster.url):
-        assert wait_for(lambda: spare_target in healthy_targets(router_url), timeout=HEALTH_INTERVAL_S * 2 + 2)
+        assert wait_for(
+            lambda: spare_target in healthy_targets(router_url), timeout=HEALTH_INTERVAL_S * 2 + 2
+        )
     workers = httpx.get(url + "/workers", timeout=5).json()["workers"]
     assert next(w["health"] for w in workers if w["url"] == cluster.spare.url) == "healthy"
     targets = []
     for i in range(3):  # round robin over three targets: one of them is the spare again
-        r = httpx.post(url + "/v1/completions", json=body_for("tiny", chat=False, stream=False,
-                                                              prompt=f"welcome back {i}"), timeout=30)
+        r = httpx.post(
+            url + "/v1/completions",
+            json=body_for("tiny", chat=False, stream=False, prompt=f"welcome back {i}"),
+            timeout=30,
+        )
         assert r.status_code == 200, r.text
         targets.append(r.headers["x-routed-target"])
     assert spare_target in targets, targets

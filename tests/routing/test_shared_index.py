@@ -1,5 +1,6 @@
 """Several router processes share their prefix-index inserts and load through Redis: a prompt routed by
 one process is a predicted hit (and goes to the same rank) when it comes back through another."""
+
 from __future__ import annotations
 
 import json
@@ -15,9 +16,9 @@ import pytest
 from apps.routing.router import Router, RouterConfig
 from apps.routing.shared_index import LOAD_TTL_S, IndexSync
 from tests.routing.helpers import worker_view
-from tests.support.standin import Behaviour, StandIn
 from tests.support.procs import free_port, start, start_engine, wait_for
 from tests.support.router_checks import counter
+from tests.support.standin import Behaviour, StandIn
 
 
 @contextmanager
@@ -29,10 +30,21 @@ def two_routers(tmp_path, worker_url: str, redis_url: str):
         routers = []
         for name in ("a", "b"):
             port = free_port()
-            cmd = [sys.executable, "manage.py", "runrouter", "--worker-urls", worker_url, "--dp-aware",
-                   "--port", str(port)]
-            routers.append(stack.enter_context(start(cmd, f"http://127.0.0.1:{port}", tmp_path / f"{name}.log",
-                                                     env=env)))
+            cmd = [
+                sys.executable,
+                "manage.py",
+                "runrouter",
+                "--worker-urls",
+                worker_url,
+                "--dp-aware",
+                "--port",
+                str(port),
+            ]
+            routers.append(
+                stack.enter_context(
+                    start(cmd, f"http://127.0.0.1:{port}", tmp_path / f"{name}.log", env=env)
+                )
+            )
         yield routers
 
 
@@ -42,8 +54,17 @@ def test_apply_takes_other_processes_inserts_for_known_targets_only():
     sync = IndexSync(router, "redis://unused")
     own = json.dumps({"from": sync.origin, "inserts": [["http://w1@0", [1, 2]]]})
     assert sync.apply(own) == 0 and router.index.size("http://w1@0") == 0  # its own echo
-    other = json.dumps({"from": "elsewhere", "inserts": [["http://w1@0", [1, 2, 3]], ["http://w9@0", [4]],
-                                                         ["http://w1@1", ["x"]], "junk"]})
+    other = json.dumps(
+        {
+            "from": "elsewhere",
+            "inserts": [
+                ["http://w1@0", [1, 2, 3]],
+                ["http://w9@0", [4]],
+                ["http://w1@1", ["x"]],
+                "junk",
+            ],
+        }
+    )
     assert sync.apply(other) == 1
     assert router.index.match([1, 2, 3]) == {"http://w1@0": 3}
     assert router.index.size("http://w9@0") == 0  # not installed here (yet): skipped
@@ -69,15 +90,29 @@ def test_load_snapshots_publish_own_load_and_apply_others():
     t1.load.set_peer("elsewhere", 7, 700, 70)  # what others published is never published again
     snapshot = sync.load_snapshot()
     assert list(snapshot) == ["http://w1@0"] and snapshot["http://w1@0"][:4] == [1, 120, 80, 0.0]
-    assert snapshot["http://w1@0"][4] == pytest.approx(1.0, abs=0.01)  # recent requests decay in real time
+    assert snapshot["http://w1@0"][4] == pytest.approx(
+        1.0, abs=0.01
+    )  # recent requests decay in real time
 
     own = json.dumps({"from": sync.origin, "load": {"http://w1@1": [5, 5, 5, 0, 0]}})
     assert sync.apply(own) == 0 and t1.load.peer_requests == 7
-    other = {"from": "b", "load": {"http://w1@0": [2, 300, 100, 1.5, 2.0], "http://w9@0": [1, 1, 1, 0, 0],
-                                   "http://w1@1": [-1, 0, 0, 0, 0]}}
+    other = {
+        "from": "b",
+        "load": {
+            "http://w1@0": [2, 300, 100, 1.5, 2.0],
+            "http://w9@0": [1, 1, 1, 0, 0],
+            "http://w1@1": [-1, 0, 0, 0, 0],
+        },
+    }
     assert sync.apply(json.dumps(other)) == 1  # w9 is not installed here; negative counts are junk
-    assert (t0.load.inflight, t0.load.inflight_tokens, t0.load.queued_prefill_tokens) == (3, 420, 180)
-    assert t0.load.active_sessions() == pytest.approx(1.5, rel=1e-3) and sync.load_applied == 1  # decays meanwhile
+    assert (t0.load.inflight, t0.load.inflight_tokens, t0.load.queued_prefill_tokens) == (
+        3,
+        420,
+        180,
+    )
+    assert (
+        t0.load.active_sessions() == pytest.approx(1.5, rel=1e-3) and sync.load_applied == 1
+    )  # decays meanwhile
     assert sync.apply(json.dumps({"from": "b", "load": {}})) == 0  # b's load on w1@0 is over
     assert t0.load.inflight == 1 and "b" in sync.peer_seen
 
@@ -90,23 +125,39 @@ def test_load_snapshots_publish_own_load_and_apply_others():
 
 @pytest.mark.slow
 def test_a_prompt_routed_by_one_router_process_is_a_hit_through_another(tmp_path, redis_url):
-    prompts = [[p] * 8 + list(range(100 + 10 * p, 300 + 10 * p)) for p in range(4)]  # 208 tokens, 12 blocks each
+    prompts = [
+        [p] * 8 + list(range(100 + 10 * p, 300 + 10 * p)) for p in range(4)
+    ]  # 208 tokens, 12 blocks each
     with start_engine(tmp_path, "--dp-size", "2", "--num-kv-blocks", "256") as engine:
         with two_routers(tmp_path, engine.url, redis_url) as (a, b):
-            assert "prefix index and load shared" in a.log() and "prefix index and load shared" in b.log()
+            assert (
+                "prefix index and load shared" in a.log()
+                and "prefix index and load shared" in b.log()
+            )
             ranks = {}
             for i, prompt in enumerate(prompts):
-                r = httpx.post(a.url + "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 1},
-                               timeout=60)
+                r = httpx.post(
+                    a.url + "/v1/completions",
+                    json={"model": "tiny", "prompt": prompt, "max_tokens": 1},
+                    timeout=60,
+                )
                 ranks[i] = r.headers["x-data-parallel-rank"]
             assert len(set(ranks.values())) == 2  # spread over both ranks by a
-            assert wait_for(lambda: counter(b.url, "dpmesh_router_index_sync_applied_total") >= len(prompts), timeout=5)
+            assert wait_for(
+                lambda: counter(b.url, "dpmesh_router_index_sync_applied_total") >= len(prompts),
+                timeout=5,
+            )
             for i, prompt in enumerate(prompts):
-                r = httpx.post(b.url + "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 1},
-                               timeout=60)
+                r = httpx.post(
+                    b.url + "/v1/completions",
+                    json={"model": "tiny", "prompt": prompt, "max_tokens": 1},
+                    timeout=60,
+                )
                 assert r.headers["x-data-parallel-rank"] == ranks[i]  # b sends it where a did
                 assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 192
-            assert counter(b.url, "dpmesh_router_predicted_cached_tokens_total") == len(prompts) * 192
+            assert (
+                counter(b.url, "dpmesh_router_predicted_cached_tokens_total") == len(prompts) * 192
+            )
 
 
 @pytest.mark.slow
@@ -122,28 +173,50 @@ def test_router_processes_balance_the_fleet_together(tmp_path, redis_url):
                     pool.submit(_hold_stream, a.url, f"long conversation number {i}", opened)
                 busy = {opened.get(timeout=30) for _ in range(2)}
                 assert len(busy) == 2  # a spread its own two streams
-                assert wait_for(lambda: counter(b.url, "dpmesh_router_peer_inflight_requests") == 2, timeout=5)
+                assert wait_for(
+                    lambda: counter(b.url, "dpmesh_router_peer_inflight_requests") == 2, timeout=5
+                )
                 assert counter(b.url, "dpmesh_router_peers") == 1
                 placed = []
-                for i in range(2):  # short answers: b's own load is back to zero before the next one
-                    r = httpx.post(b.url + "/v1/completions", timeout=30,
-                                   json={"model": "standin-peers", "prompt": f"a new question {i}", "max_tokens": 1})
+                for i in range(
+                    2
+                ):  # short answers: b's own load is back to zero before the next one
+                    r = httpx.post(
+                        b.url + "/v1/completions",
+                        timeout=30,
+                        json={
+                            "model": "standin-peers",
+                            "prompt": f"a new question {i}",
+                            "max_tokens": 1,
+                        },
+                    )
                     assert r.status_code == 200, r.text
                     placed.append(int(r.headers["x-data-parallel-rank"]))
                 assert not busy & set(placed), (busy, placed)
                 assert len(set(placed)) == 2  # and spread over the idle two
                 a.stop()  # it says goodbye: b stops counting its load at once, not after LOAD_TTL_S
-                assert wait_for(lambda: (counter(b.url, "dpmesh_router_peers"),
-                                         counter(b.url, "dpmesh_router_peer_inflight_requests")) == (0, 0),
-                                timeout=LOAD_TTL_S / 3)
+                assert wait_for(
+                    lambda: (
+                        (
+                            counter(b.url, "dpmesh_router_peers"),
+                            counter(b.url, "dpmesh_router_peer_inflight_requests"),
+                        )
+                        == (0, 0)
+                    ),
+                    timeout=LOAD_TTL_S / 3,
+                )
 
 
 def _hold_stream(url: str, prompt: str, opened: queue.Queue) -> None:
     """Stream through the router; put the serving rank on ``opened`` at the first event and keep
     reading until the stream ends (or the router goes away)."""
     try:
-        with httpx.stream("POST", url + "/v1/completions", timeout=60,
-                          json={"model": "standin-peers", "prompt": prompt, "max_tokens": 40, "stream": True}) as r:
+        with httpx.stream(
+            "POST",
+            url + "/v1/completions",
+            timeout=60,
+            json={"model": "standin-peers", "prompt": prompt, "max_tokens": 40, "stream": True},
+        ) as r:
             lines = r.iter_lines()
             next(line for line in lines if line.startswith("data:"))
             opened.put(int(r.headers["x-data-parallel-rank"]))

@@ -1,4 +1,5 @@
 """Real server processes for tests: start, wait until healthy, read logs, stop."""
+
 from __future__ import annotations
 
 import os
@@ -46,12 +47,24 @@ class ServerProcess:
         self.stop()
 
 
-def start(cmd: list[str], url: str, log_path: Path, health: str = "/health", timeout: float = 180.0,
-          env: dict | None = None) -> ServerProcess:
+def start(
+    cmd: list[str],
+    url: str,
+    log_path: Path,
+    health: str = "/health",
+    timeout: float = 180.0,
+    env: dict | None = None,
+) -> ServerProcess:
     """Start ``cmd`` (logs to ``log_path``) and wait until ``url + health`` answers 200."""
     log = open(log_path, "wb")
-    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, **(env or {})}, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO_ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, **(env or {})},
+        start_new_session=True,
+    )
     server = ServerProcess(proc, url, log_path)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -67,7 +80,9 @@ def start(cmd: list[str], url: str, log_path: Path, health: str = "/health", tim
     raise RuntimeError(f"{cmd[:4]} not healthy after {timeout}s:\n{server.log()[-4000:]}")
 
 
-def start_engine(tmp_path: Path, *args: str, name: str = "engine", timeout: float = 240.0) -> ServerProcess:
+def start_engine(
+    tmp_path: Path, *args: str, name: str = "engine", timeout: float = 240.0
+) -> ServerProcess:
     port = free_port()
     cmd = [sys.executable, "manage.py", "runengine", "--port", str(port), *args]
     return start(cmd, f"http://127.0.0.1:{port}", tmp_path / f"{name}.log", timeout=timeout)

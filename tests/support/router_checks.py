@@ -1,5 +1,6 @@
 """Helpers for tests that run the router as a real process: start it (and engines) on chosen
 ports, read its /metrics and /health, and take its SSE answers apart."""
+
 from __future__ import annotations
 
 import json
@@ -14,11 +15,16 @@ import pytest
 from tests.support import procs
 from tests.support.procs import ServerProcess, free_port, wait_for
 
-ADMIN_KEY = "test-router-admin-key"  # start_router's routers take it for the workers API's mutations
+ADMIN_KEY = (
+    "test-router-admin-key"  # start_router's routers take it for the workers API's mutations
+)
 ADMIN_HEADERS = {"Authorization": f"Bearer {ADMIN_KEY}"}
 
-LOAD_GAUGES = ("dpmesh_router_inflight_requests", "dpmesh_router_inflight_prompt_tokens",
-               "dpmesh_router_pending_prefill_tokens")
+LOAD_GAUGES = (
+    "dpmesh_router_inflight_requests",
+    "dpmesh_router_inflight_prompt_tokens",
+    "dpmesh_router_pending_prefill_tokens",
+)
 
 
 # ----- processes ---------------------------------------------------------------------------------
@@ -26,16 +32,41 @@ def start_router(tmp: Path, worker_urls: list[str], name: str, *flags: str) -> S
     """``runrouter --dp-aware`` with its own SQLite database and ``ADMIN_KEY`` as its admin key;
     ready when it answers /metrics (its /health is 503 until some worker is up)."""
     port = free_port()
-    cmd = [sys.executable, "manage.py", "runrouter", "--worker-urls", *worker_urls, "--dp-aware",
-           "--port", str(port), *flags]
-    env = {"DATABASE_URL": f"sqlite:///{tmp / (name + '.sqlite3')}", "CONTROL_PLANE_ADMIN_KEYS": ADMIN_KEY}
-    return procs.start(cmd, f"http://127.0.0.1:{port}", tmp / f"{name}.log", health="/metrics", timeout=60, env=env)
+    cmd = [
+        sys.executable,
+        "manage.py",
+        "runrouter",
+        "--worker-urls",
+        *worker_urls,
+        "--dp-aware",
+        "--port",
+        str(port),
+        *flags,
+    ]
+    env = {
+        "DATABASE_URL": f"sqlite:///{tmp / (name + '.sqlite3')}",
+        "CONTROL_PLANE_ADMIN_KEYS": ADMIN_KEY,
+    }
+    return procs.start(
+        cmd, f"http://127.0.0.1:{port}", tmp / f"{name}.log", health="/metrics", timeout=60, env=env
+    )
 
 
 def start_engine_on(tmp: Path, port: int, dp_size: int, name: str) -> ServerProcess:
     """A tiny-model engine on ``port`` (a router may already be waiting for it there)."""
-    cmd = [sys.executable, "manage.py", "runengine", "--port", str(port), "--dp-size", str(dp_size),
-           "--num-kv-blocks", "128", "--threads-per-rank", "1"]  # the CPUs are shared: never oversubscribe
+    cmd = [
+        sys.executable,
+        "manage.py",
+        "runengine",
+        "--port",
+        str(port),
+        "--dp-size",
+        str(dp_size),
+        "--num-kv-blocks",
+        "128",
+        "--threads-per-rank",
+        "1",
+    ]  # the CPUs are shared: never oversubscribe
     return procs.start(cmd, f"http://127.0.0.1:{port}", tmp / f"{name}.log", timeout=240)
 
 
@@ -54,7 +85,9 @@ def prom(url: str) -> list[tuple[str, dict, float]]:
             continue
         head, value = line.rsplit(" ", 1)
         name, _, rest = head.partition("{")
-        labels = dict(part.split("=", 1) for part in rest.rstrip("}").split(",") if part) if rest else {}
+        labels = (
+            dict(part.split("=", 1) for part in rest.rstrip("}").split(",") if part) if rest else {}
+        )
         samples.append((name, {k: v.strip('"') for k, v in labels.items()}, float(value)))
     return samples
 
@@ -69,7 +102,11 @@ def router_load(url: str) -> dict[str, dict[str, float]]:
 
 
 def counter(url: str, name: str, target: str | None = None) -> float:
-    return sum(v for n, labels, v in prom(url) if n == name and (target is None or labels.get("target") == target))
+    return sum(
+        v
+        for n, labels, v in prom(url)
+        if n == name and (target is None or labels.get("target") == target)
+    )
 
 
 def busy_targets(url: str) -> dict:
@@ -102,8 +139,15 @@ def texts(events: list[str]) -> list[str]:
     return [t for t in out if t]
 
 
-def body_for(model: str, *, chat: bool, stream: bool, max_tokens: int = 4, prompt: str = "hello there",
-             usage: bool | None = None) -> dict:
+def body_for(
+    model: str,
+    *,
+    chat: bool,
+    stream: bool,
+    max_tokens: int = 4,
+    prompt: str = "hello there",
+    usage: bool | None = None,
+) -> dict:
     body = {"model": model, "max_tokens": max_tokens, "temperature": 0, "stream": stream}
     if chat:
         body["messages"] = [{"role": "user", "content": prompt}]

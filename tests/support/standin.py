@@ -11,6 +11,7 @@ In tests it runs in a background thread (``StandIn(...).start()``) and the test 
 behaviours and reads what it received; for the benchmark it runs as a process:
 ``python -m tests.support.standin --port P --dp-size 4``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,13 +22,21 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 429: "Too Many Requests",
-           500: "Internal Server Error", 502: "Bad Gateway", 503: "Service Unavailable"}
+REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    404: "Not Found",
+    429: "Too Many Requests",
+    500: "Internal Server Error",
+    502: "Bad Gateway",
+    503: "Service Unavailable",
+}
 
 
 @dataclass(frozen=True)
 class Behaviour:
     """How to answer one generation request."""
+
     status: int = 200  # not 200: answer this status with an OpenAI error body
     head_delay_s: float = 0.0  # wait before the response starts (a long one hangs)
     tokens: int = 3  # text chunks of a streamed answer
@@ -36,7 +45,7 @@ class Behaviour:
     cached_tokens: int = 0  # reported in usage.prompt_tokens_details
 
     @classmethod
-    def hang(cls) -> "Behaviour":
+    def hang(cls) -> Behaviour:
         return cls(head_delay_s=3600.0)
 
 
@@ -68,7 +77,7 @@ class StandIn:
         return f"http://127.0.0.1:{self.port}"
 
     # ----- lifecycle -----------------------------------------------------------------------------
-    def start(self, port: int = 0) -> "StandIn":
+    def start(self, port: int = 0) -> StandIn:
         """Serve on 127.0.0.1:``port`` (0: any free one) from a daemon thread."""
         ready = threading.Event()
 
@@ -146,12 +155,26 @@ class StandIn:
         if method == "POST" and path in ("/v1/completions", "/v1/chat/completions"):
             return await self._generate(path, body, reader, writer) and keep_alive
         if method == "GET" and path in ("/server_info", "/get_server_info"):
-            self._send(writer, 200, {"dp_size": self.dp_size, "model_id": self.model,
-                                     "served_model_name": self.model, "tp_size": 1})
+            self._send(
+                writer,
+                200,
+                {
+                    "dp_size": self.dp_size,
+                    "model_id": self.model,
+                    "served_model_name": self.model,
+                    "tp_size": 1,
+                },
+            )
         elif method == "GET" and path == "/health":
-            self._send(writer, 200 if self.healthy else 503, {"status": "ok" if self.healthy else "unavailable"})
+            self._send(
+                writer,
+                200 if self.healthy else 503,
+                {"status": "ok" if self.healthy else "unavailable"},
+            )
         elif method == "GET" and path == "/v1/models":
-            self._send(writer, 200, {"object": "list", "data": [{"id": self.model, "object": "model"}]})
+            self._send(
+                writer, 200, {"object": "list", "data": [{"id": self.model, "object": "model"}]}
+            )
         else:
             self._send(writer, 404, error_body(404, f"{method} {path} is not served here"))
         await writer.drain()
@@ -159,8 +182,11 @@ class StandIn:
 
     def _send(self, writer, status: int, payload: dict, extra: str = "") -> None:
         data = json.dumps(payload).encode()
-        writer.write(f"HTTP/1.1 {status} {REASONS.get(status, 'Status')}\r\ncontent-type: application/json\r\n"
-                     f"content-length: {len(data)}\r\n{extra}\r\n".encode() + data)
+        writer.write(
+            f"HTTP/1.1 {status} {REASONS.get(status, 'Status')}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(data)}\r\n{extra}\r\n".encode()
+            + data
+        )
 
     def _choose(self, rank: int | None) -> Behaviour:
         if self.script:
@@ -178,8 +204,12 @@ class StandIn:
             return False
         rank_header = f"x-data-parallel-rank: {rank}\r\n" if isinstance(rank, int) else ""
         if behaviour.status != 200:
-            self._send(writer, behaviour.status, error_body(behaviour.status, f"stand-in says {behaviour.status}"),
-                       rank_header)
+            self._send(
+                writer,
+                behaviour.status,
+                error_body(behaviour.status, f"stand-in says {behaviour.status}"),
+                rank_header,
+            )
             await writer.drain()
             record.completed = True
             return True
@@ -187,24 +217,51 @@ class StandIn:
         if body.get("stream") is True:
             return await self._stream(body, chat, behaviour, record, reader, writer, rank_header)
         text = "".join(f"tok{i} " for i in range(behaviour.tokens))
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"} if chat
-                  else {"index": 0, "text": text, "finish_reason": "length"})
-        self._send(writer, 200, {"id": "cmpl-standin", "object": "chat.completion" if chat else "text_completion",
-                                 "created": 0, "model": self.model, "choices": [choice],
-                                 "usage": usage(behaviour)}, rank_header)
+        choice = (
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": "length",
+            }
+            if chat
+            else {"index": 0, "text": text, "finish_reason": "length"}
+        )
+        self._send(
+            writer,
+            200,
+            {
+                "id": "cmpl-standin",
+                "object": "chat.completion" if chat else "text_completion",
+                "created": 0,
+                "model": self.model,
+                "choices": [choice],
+                "usage": usage(behaviour),
+            },
+            rank_header,
+        )
         await writer.drain()
         record.completed = True
         return True
 
     async def _stream(self, body, chat, behaviour, record, reader, writer, rank_header) -> bool:
-        writer.write(f"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
-                     f"cache-control: no-cache\r\ntransfer-encoding: chunked\r\n{rank_header}\r\n".encode())
+        writer.write(
+            f"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
+            f"cache-control: no-cache\r\ntransfer-encoding: chunked\r\n{rank_header}\r\n".encode()
+        )
         events = [chunk(self.model, chat, f"tok{i} ", None) for i in range(behaviour.tokens)]
         events.append(chunk(self.model, chat, None, "length"))
         options = body.get("stream_options")
         if isinstance(options, dict) and options.get("include_usage") is True:
-            events.append({"id": "cmpl-standin", "object": "chat.completion.chunk" if chat else "text_completion",
-                           "created": 0, "model": self.model, "choices": [], "usage": usage(behaviour)})
+            events.append(
+                {
+                    "id": "cmpl-standin",
+                    "object": "chat.completion.chunk" if chat else "text_completion",
+                    "created": 0,
+                    "model": self.model,
+                    "choices": [],
+                    "usage": usage(behaviour),
+                }
+            )
         for sent, event in enumerate(events):
             if behaviour.drop_after is not None and sent >= behaviour.drop_after:
                 writer.transport.abort()
@@ -227,7 +284,7 @@ async def client_stays(reader: asyncio.StreamReader, seconds: float) -> bool:
         return True
     try:
         data = await asyncio.wait_for(reader.read(1), timeout=seconds)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         return True
     return bool(data)
 
@@ -237,13 +294,23 @@ def write_chunk(writer, data: bytes) -> None:
 
 
 def error_body(status: int, message: str) -> dict:
-    return {"error": {"message": message, "type": "invalid_request_error" if status < 500 else "server_error",
-                      "param": None, "code": status}}
+    return {
+        "error": {
+            "message": message,
+            "type": "invalid_request_error" if status < 500 else "server_error",
+            "param": None,
+            "code": status,
+        }
+    }
 
 
 def usage(behaviour: Behaviour) -> dict:
-    return {"prompt_tokens": 5, "completion_tokens": behaviour.tokens, "total_tokens": 5 + behaviour.tokens,
-            "prompt_tokens_details": {"cached_tokens": behaviour.cached_tokens}}
+    return {
+        "prompt_tokens": 5,
+        "completion_tokens": behaviour.tokens,
+        "total_tokens": 5 + behaviour.tokens,
+        "prompt_tokens_details": {"cached_tokens": behaviour.cached_tokens},
+    }
 
 
 def chunk(model: str, chat: bool, text: str | None, finish: str | None) -> dict:
@@ -251,8 +318,13 @@ def chunk(model: str, chat: bool, text: str | None, finish: str | None) -> dict:
         choice = {"index": 0, "delta": {"content": text} if text else {}, "finish_reason": finish}
     else:
         choice = {"index": 0, "text": text or "", "finish_reason": finish}
-    return {"id": "cmpl-standin", "object": "chat.completion.chunk" if chat else "text_completion", "created": 0,
-            "model": model, "choices": [choice]}
+    return {
+        "id": "cmpl-standin",
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": 0,
+        "model": model,
+        "choices": [choice],
+    }
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,4 +1,5 @@
 """``manage.py runengine``: the inference engine (N DP ranks + OpenAI HTTP front)."""
+
 from django.core.management.base import BaseCommand
 
 from engine.server.main import add_arguments, serve
@@ -13,6 +14,7 @@ class Command(BaseCommand):
 
     def handle(self, *args, **options):
         import argparse
+
         code = serve(argparse.Namespace(**options))
         if code:
             raise SystemExit(code)

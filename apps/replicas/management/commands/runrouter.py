@@ -1,4 +1,5 @@
 """``manage.py runrouter``: the control plane alone (mesh-only), in front of running engines."""
+
 from django.core.management import call_command
 from django.core.management.base import BaseCommand
 
@@ -16,5 +17,10 @@ class Command(BaseCommand):
         call_command("migrate", interactive=False, verbosity=0)
         host, port = options["host"], options["port"]
         admin = ensure_admin_user()
-        serve_router(options, on_ready=lambda: self.stdout.write(
-            f"Router on http://{host}:{port}; dashboard http://{host}:{port}/dashboard/ ({admin})", ending="\n"))
+        serve_router(
+            options,
+            on_ready=lambda: self.stdout.write(
+                f"Router on http://{host}:{port}; dashboard http://{host}:{port}/dashboard/ ({admin})",
+                ending="\n",
+            ),
+        )

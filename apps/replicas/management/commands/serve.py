@@ -1,6 +1,7 @@
 """``manage.py serve``: everything in one command — an engine (N DP ranks) and a dp-aware,
 cache-aware router in front of it, with the dashboard. With no arguments: the built-in tiny
 model on SQLite."""
+
 import os
 import signal
 import subprocess
@@ -18,35 +19,79 @@ class Command(BaseCommand):
     requires_system_checks = []
 
     def add_arguments(self, parser):
-        parser.add_argument("--model", default="tiny", help="'tiny' or a local Hugging Face model directory")
+        parser.add_argument(
+            "--model", default="tiny", help="'tiny' or a local Hugging Face model directory"
+        )
         parser.add_argument("--dp-size", type=int, default=2)
         parser.add_argument("--host", default="127.0.0.1")
         parser.add_argument("--port", type=int, default=8000, help="the router (what clients use)")
         parser.add_argument("--engine-port", type=int, default=8001)
-        parser.add_argument("--policy", default=None, choices=["cache_aware", "round_robin", "random", "power_of_two"])
-        parser.add_argument("--api-key", action="append", default=None, metavar="KEY",
-                            help="require 'Authorization: Bearer KEY' on the OpenAI endpoints (repeatable)")
-        parser.add_argument("--admin-key", action="append", default=None, metavar="KEY",
-                            help="Bearer key for the workers API's mutations (repeatable)")
-        parser.add_argument("--engine-arg", action="append", default=[],
-                            help="extra runengine flag, repeatable (e.g. --engine-arg=--num-kv-blocks=512)")
+        parser.add_argument(
+            "--policy",
+            default=None,
+            choices=["cache_aware", "round_robin", "random", "power_of_two"],
+        )
+        parser.add_argument(
+            "--api-key",
+            action="append",
+            default=None,
+            metavar="KEY",
+            help="require 'Authorization: Bearer KEY' on the OpenAI endpoints (repeatable)",
+        )
+        parser.add_argument(
+            "--admin-key",
+            action="append",
+            default=None,
+            metavar="KEY",
+            help="Bearer key for the workers API's mutations (repeatable)",
+        )
+        parser.add_argument(
+            "--engine-arg",
+            action="append",
+            default=[],
+            help="extra runengine flag, repeatable (e.g. --engine-arg=--num-kv-blocks=512)",
+        )
 
     def handle(self, *args, **o):
         call_command("migrate", interactive=False, verbosity=0)
         admin = ensure_admin_user()
         engine_url = f"http://127.0.0.1:{o['engine_port']}"
-        cmd = [sys.executable, os.path.join(settings.BASE_DIR, "manage.py"), "runengine", "--model", o["model"],
-               "--dp-size", str(o["dp_size"]), "--port", str(o["engine_port"]), "--host", "127.0.0.1", *o["engine_arg"]]
+        cmd = [
+            sys.executable,
+            os.path.join(settings.BASE_DIR, "manage.py"),
+            "runengine",
+            "--model",
+            o["model"],
+            "--dp-size",
+            str(o["dp_size"]),
+            "--port",
+            str(o["engine_port"]),
+            "--host",
+            "127.0.0.1",
+            *o["engine_arg"],
+        ]
         engine = subprocess.Popen(cmd)
         url = f"http://{o['host']}:{o['port']}"
-        banner = (f"\n  OpenAI API   {url}/v1  (e.g. curl {url}/v1/chat/completions -d "
-                  f"'{{\"messages\":[{{\"role\":\"user\",\"content\":\"hi\"}}]}}')\n"
-                  f"  Dashboard    {url}/dashboard/  ({admin})\n  Admin        {url}/admin/\n"
-                  f"  Workers API  {url}/workers\n  Metrics      {url}/metrics\n  Engine       {engine_url} "
-                  f"(dp_size {o['dp_size']}; the router discovers it when it is ready)\n")
+        banner = (
+            f"\n  OpenAI API   {url}/v1  (e.g. curl {url}/v1/chat/completions -d "
+            f'\'{{"messages":[{{"role":"user","content":"hi"}}]}}\')\n'
+            f"  Dashboard    {url}/dashboard/  ({admin})\n  Admin        {url}/admin/\n"
+            f"  Workers API  {url}/workers\n  Metrics      {url}/metrics\n  Engine       {engine_url} "
+            f"(dp_size {o['dp_size']}; the router discovers it when it is ready)\n"
+        )
         try:
-            serve_router({"worker_urls": [engine_url], "dp_aware": True, "policy": o["policy"], "host": o["host"],
-                          "port": o["port"], "api_key": o["api_key"], "admin_key": o["admin_key"]}, on_ready=lambda: self.stdout.write(banner))
+            serve_router(
+                {
+                    "worker_urls": [engine_url],
+                    "dp_aware": True,
+                    "policy": o["policy"],
+                    "host": o["host"],
+                    "port": o["port"],
+                    "api_key": o["api_key"],
+                    "admin_key": o["admin_key"],
+                },
+                on_ready=lambda: self.stdout.write(banner),
+            )
         finally:
             engine.send_signal(signal.SIGINT)
             try:

@@ -1,4 +1,5 @@
 """``manage.py bench``: the benchmark client of ``bench/`` (same flags as ``python -m bench``)."""
+
 import argparse
 
 from django.core.management.base import BaseCommand
@@ -7,7 +8,9 @@ from bench.cli import add_arguments, run
 
 
 class Command(BaseCommand):
-    help = "Benchmark an OpenAI-compatible server (prefix_repetition, random or multi_turn workloads)."
+    help = (
+        "Benchmark an OpenAI-compatible server (prefix_repetition, random or multi_turn workloads)."
+    )
     requires_system_checks = []  # a client: it needs no database
 
     def add_arguments(self, parser):
