@@ -1,1 +1,2 @@
-"""The control plane's Django apps: ``replicas`` (who serves) and ``routing`` (where a request goes)."""
+"""The control plane's Django apps: ``replicas`` (who serves) and ``routing`` (where a request
+goes)."""

@@ -124,7 +124,8 @@ def discover(base_url: str, api_key: str | None = None) -> dict:
 
 
 def load_tokenizer(args, info: dict):
-    """``--tokenizer``, else the target's own model directory when it is on this machine, else None."""
+    """``--tokenizer``, else the target's own model directory when it is on this machine, else
+    None."""
     path = args.tokenizer or info.get("model_path")
     if not path or (not args.tokenizer and not Path(path).is_dir()):
         return None

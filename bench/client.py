@@ -13,7 +13,8 @@ RANK_HEADER = "x-data-parallel-rank"
 
 @dataclass
 class RequestResult:
-    """What one request measured. Times are seconds; ``start`` is on the run's perf_counter clock."""
+    """What one request measured. Times are seconds; ``start`` is on the run's perf_counter
+    clock."""
 
     ok: bool = False
     start: float = 0.0
@@ -40,7 +41,8 @@ def chat_body(model: str, messages: list[dict], max_tokens: int, options: dict) 
 
 
 def _common(options: dict) -> dict:
-    """Greedy, streamed, with usage; ``ignore_eos`` keeps output lengths exact where it is accepted."""
+    """Greedy, streamed, with usage; ``ignore_eos`` keeps output lengths exact where it is
+    accepted."""
     body = {"temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     if options.get("ignore_eos", True):
         body["ignore_eos"] = True
@@ -59,7 +61,8 @@ async def send(
             result.status = response.status_code
             result.rank = _rank(response.headers.get(RANK_HEADER))
             if response.status_code != 200:
-                result.error = f"HTTP {response.status_code}: {(await response.aread()).decode(errors='replace')[:300]}"
+                text = (await response.aread()).decode(errors="replace")
+                result.error = f"HTTP {response.status_code}: {text[:300]}"
                 return _finish(result)
             async for line in response.aiter_lines():
                 if not chunks.feed(line):

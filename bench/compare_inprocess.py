@@ -3,8 +3,8 @@
 Measures what the HTTP bench measures (TTFT, TPOT, ITL, throughput) without the HTTP front, the
 rank process and the IPC, so the difference is the serving overhead::
 
-    python -m bench.compare_inprocess --num-prompts 64 --random-input-len 128 --random-output-len 64 \\
-        --max-concurrency 16
+    python -m bench.compare_inprocess --num-prompts 64 --random-input-len 128 \\
+        --random-output-len 64 --max-concurrency 16
 
 The prompts are those of ``python -m bench --dataset-name random`` with the same flags and seed
 (ids drawn from the model tokenizer's non-special ids). Requests are admitted between engine
@@ -101,7 +101,7 @@ def _record(live, done, out, now: float) -> None:
         return
     result.ok = True
     result.ttft = stamps[0] - result.start
-    result.itl = [b - a for a, b in zip(stamps, stamps[1:])]
+    result.itl = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
     result.latency = now - result.start
     result.output_tokens, result.cached_tokens = out.num_output_tokens, out.num_cached_tokens
     done.append(result)

@@ -189,12 +189,14 @@ def main(argv=None) -> int:
             kind, policy = spec.split(":")
             rows += run_one(kind, policy, args, tok, Path(tmp))
     print(
-        "\n| workload | router | hit rate | hits / oracle | prompt tokens max/mean | TTFT p50 ms | TTFT p99 ms |"
+        "\n| workload | router | hit rate | hits / oracle | prompt tokens max/mean "
+        "| TTFT p50 ms | TTFT p99 ms |"
     )
     print("|---|---|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
-            f"| {r['workload']} | {r['router']} | {r['hit_rate']:.3f} | {r['hits_vs_oracle']:.3f} | "
+            f"| {r['workload']} | {r['router']} | {r['hit_rate']:.3f} "
+            f"| {r['hits_vs_oracle']:.3f} | "
             f"{r['prompt_max_mean']:.2f} | {r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} |"
         )
     if args.json:

@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> None:
         snapshot = build_snapshot(router)
     per = (time.perf_counter() - started) / args.repeats
     print(
-        f"build_snapshot: {per * 1000:.1f} ms per push, {len(json.dumps(snapshot)) / 1024:.0f} KiB of JSON "
+        f"build_snapshot: {per * 1000:.1f} ms per push, "
+        f"{len(json.dumps(snapshot)) / 1024:.0f} KiB of JSON "
         f"({args.ranks} ranks x {args.samples} samples)"
     )
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-# Below this id the built-in tiny tokenizer keeps its special tokens; used when no tokenizer is known.
+# Below this id the built-in tiny tokenizer keeps its special tokens; used when no tokenizer is
+# known.
 FIRST_PLAIN_ID = 8
 
 
@@ -91,7 +92,8 @@ def prefix_repetition(
     per_prefix = num_prompts // num_prefixes
     if per_prefix == 0:
         raise ValueError(
-            f"--num-prompts ({num_prompts}) must be >= --prefix-repetition-num-prefixes ({num_prefixes})"
+            f"--num-prompts ({num_prompts}) must be >= "
+            f"--prefix-repetition-num-prefixes ({num_prefixes})"
         )
     if as_text and tokenizer is None:
         raise ValueError("text prompts need a tokenizer (--tokenizer PATH)")
@@ -150,36 +152,40 @@ def _sample(ids: list[int], output_len: int, group: int, tokenizer, as_text: boo
 # Plain English words: every tokenizer splits them into few tokens, and random picks of them make
 # user turns that never share a prefix by accident.
 WORDS = """
-able about above across act add after again against age ago agree air all allow almost alone along already also
-always among amount and animal answer any appear apply area arm around arrive art ask at away back bad bag ball bank
-base be bear beat become bed before begin behind believe below best better between big bird bit black blue board
-boat body book both box boy bring brother build busy but buy call came can car care carry case cat catch cause cell
-center chair chance change check child choose city class clean clear close cloud cold color come common cook corn
-cost count country course cover cross cry cut dance dark day dead deal dear decide deep did differ direct do doctor
-dog door down draw dream dress drink drive drop dry during each early earth east easy eat edge effect egg eight end
-enough enter even evening event ever every exact example eye face fact fall family far farm fast father fear feel
-few field fight fill final find fine finger fire first fish five floor flower fly follow food foot for force forest
-form four free friend from front fruit full game garden gas gather gentle girl give glass go gold good grass great
-green ground group grow guess half hand happy hard hat have head hear heart heat heavy help here high hill hold home
-hope horse hot hour house how huge hunt idea if inch insect iron island job join jump just keep key kind king know
-lady lake land large last late laugh law lay lead learn leave left leg letter level lie life lift light like line
-list listen little live long look lost loud love low machine main make man many map mark market matter may mean
-measure meet melody metal middle might mile milk mind minute miss moment money month moon more morning most mother
-mountain move much music must name nation near need never new next night nine noise north note nothing notice now
-number object ocean off offer office often oil old once one open order other out over page paint pair paper park
-part party pass path pay people perhaps person pick picture piece place plain plan plant play please point poor
-port power press pretty print probable problem pull push put quick quiet quite race rain raise reach read ready real
-reason red remember rest rich ride right ring river road rock room root rope rose round row rule run safe sail salt
-same sand save say school science sea season seat second see seed seem sell send sense serve set seven shape share
-sharp ship shoe shop short shout show side sign silent silver simple sing sister sit six size skin sky sleep slow
-small smell smile snow soft soil some song soon sound south space speak special speed spell spend spring square
-stand star start state stay step stick still stone stop store story straight strange stream street strong student
-study such sugar summer sun supply sure surface swim table tail take talk tall teach team tell ten test than thank
-the then there thick thin thing think third three through throw tie time tiny together tone tool top touch toward
-town track trade train travel tree trip true try turn twenty two under unit until up use usual valley value very
-view village visit voice wait walk wall want warm wash watch water wave way wear weather week weight well west wheel
-while white whole why wide wife wild will win wind window wing winter wire wish with woman wonder wood word work
-world write yard year yellow young
+able about above across act add after again against age ago agree air all allow almost alone along
+already also always among amount and animal answer any appear apply area arm around arrive art ask
+at away back bad bag ball bank base be bear beat become bed before begin behind believe below best
+better between big bird bit black blue board boat body book both box boy bring brother build busy
+but buy call came can car care carry case cat catch cause cell center chair chance change check
+child choose city class clean clear close cloud cold color come common cook corn cost count country
+course cover cross cry cut dance dark day dead deal dear decide deep did differ direct do doctor dog
+door down draw dream dress drink drive drop dry during each early earth east easy eat edge effect
+egg eight end enough enter even evening event ever every exact example eye face fact fall family far
+farm fast father fear feel few field fight fill final find fine finger fire first fish five floor
+flower fly follow food foot for force forest form four free friend from front fruit full game garden
+gas gather gentle girl give glass go gold good grass great green ground group grow guess half hand
+happy hard hat have head hear heart heat heavy help here high hill hold home hope horse hot hour
+house how huge hunt idea if inch insect iron island job join jump just keep key kind king know lady
+lake land large last late laugh law lay lead learn leave left leg letter level lie life lift light
+like line list listen little live long look lost loud love low machine main make man many map mark
+market matter may mean measure meet melody metal middle might mile milk mind minute miss moment
+money month moon more morning most mother mountain move much music must name nation near need never
+new next night nine noise north note nothing notice now number object ocean off offer office often
+oil old once one open order other out over page paint pair paper park part party pass path pay
+people perhaps person pick picture piece place plain plan plant play please point poor port power
+press pretty print probable problem pull push put quick quiet quite race rain raise reach read ready
+real reason red remember rest rich ride right ring river road rock room root rope rose round row
+rule run safe sail salt same sand save say school science sea season seat second see seed seem sell
+send sense serve set seven shape share sharp ship shoe shop short shout show side sign silent silver
+simple sing sister sit six size skin sky sleep slow small smell smile snow soft soil some song soon
+sound south space speak special speed spell spend spring square stand star start state stay step
+stick still stone stop store story straight strange stream street strong student study such sugar
+summer sun supply sure surface swim table tail take talk tall teach team tell ten test than thank
+the then there thick thin thing think third three through throw tie time tiny together tone tool top
+touch toward town track trade train travel tree trip true try turn twenty two under unit until up
+use usual valley value very view village visit voice wait walk wall want warm wash watch water wave
+way wear weather week weight well west wheel while white whole why wide wife wild will win wind
+window wing winter wire wish with woman wonder wood word work world write yard year yellow young
 """.split()
 
 
@@ -210,7 +216,8 @@ def multi_turn(
     seed: int,
     tokenizer=None,
 ) -> list[Conversation]:
-    """Conversations sharing one system prompt, each with ``num_turns`` user turns of random words."""
+    """Conversations sharing one system prompt, each with ``num_turns`` user turns of random
+    words."""
     rng = random.Random(seed)
     system = "You are a helpful assistant. " + random_text(rng, system_len, tokenizer)
     return [

@@ -49,7 +49,8 @@ wrk.body = %(body)s
 function done(summary, latency, requests)
   local e = summary.errors
   io.write(string.format(
-    'WRK_JSON {"requests": %%d, "duration_us": %%d, "p50_us": %%d, "p90_us": %%d, "p99_us": %%d, ' ..
+    'WRK_JSON {"requests": %%d, "duration_us": %%d, ' ..
+    '"p50_us": %%d, "p90_us": %%d, "p99_us": %%d, ' ..
     '"mean_us": %%.1f, "errors": %%d, "non_2xx": %%d}\\n',
     summary.requests, summary.duration, latency:percentile(50), latency:percentile(90),
     latency:percentile(99), latency.mean, e.connect + e.read + e.write + e.timeout, e.status))
@@ -115,7 +116,7 @@ def wrk(url: str, connections: int, duration: int, script: Path) -> dict:
         url + "/v1/completions",
     ]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-    line = next(l for l in out.splitlines() if l.startswith("WRK_JSON "))
+    line = next(ln for ln in out.splitlines() if ln.startswith("WRK_JSON "))
     result = json.loads(line.removeprefix("WRK_JSON "))
     result["rps"] = result["requests"] / (result["duration_us"] / 1e6)
     return result
@@ -140,13 +141,13 @@ def wrk_many(urls: list[str], connections: int, duration: int, script: Path) -> 
             str(script),
             url + "/v1/completions",
         ]
-        for url, c in zip(urls, share)
+        for url, c in zip(urls, share, strict=True)
     ]
     procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) for cmd in cmds]
     runs = []
     for proc in procs:
         out, _ = proc.communicate()
-        line = next(l for l in out.splitlines() if l.startswith("WRK_JSON "))
+        line = next(ln for ln in out.splitlines() if ln.startswith("WRK_JSON "))
         runs.append(json.loads(line.removeprefix("WRK_JSON ")))
     result = {
         key: max(r[key] for r in runs) for key in ("p50_us", "p90_us", "p99_us", "duration_us")
@@ -189,7 +190,8 @@ def measure(
             r.update(target=name, connections=c)
             results.append(r)
             print(
-                f"{name:28s} c={c:<3d} p50 {r['p50_us'] / 1000:7.2f} ms  p99 {r['p99_us'] / 1000:7.2f} ms  "
+                f"{name:28s} c={c:<3d} p50 {r['p50_us'] / 1000:7.2f} ms  "
+                f"p99 {r['p99_us'] / 1000:7.2f} ms  "
                 f"{r['rps']:8.0f} req/s  errors {r['errors']} non-2xx {r['non_2xx']}",
                 flush=True,
             )
@@ -220,7 +222,8 @@ def measure(
         r.update(target=name, connections=c)
         results.append(r)
         print(
-            f"{name:28s} c={c:<3d} p50 {r['p50_us'] / 1000:7.2f} ms  p99 {r['p99_us'] / 1000:7.2f} ms  "
+            f"{name:28s} c={c:<3d} p50 {r['p50_us'] / 1000:7.2f} ms  "
+            f"p99 {r['p99_us'] / 1000:7.2f} ms  "
             f"{r['rps']:8.0f} req/s  errors {r['errors']} non-2xx {r['non_2xx']}",
             flush=True,
         )
@@ -317,7 +320,8 @@ def run(args) -> list[dict]:
 
 
 def measure_processes(args, standin_url: str, tmp: Path, script: Path, results: list) -> None:
-    """``args.processes`` cache_aware routers on one database and one Redis (index and load shared)."""
+    """``args.processes`` cache_aware routers on one database and one Redis (index and load
+    shared)."""
     import redis
 
     redis.Redis.from_url(args.redis_url).flushdb()
@@ -371,7 +375,8 @@ def summary(results: list[dict]) -> str:
         added = (r["p50_us"] - direct[c]["p50_us"]) / 1000 if c in direct else float("nan")
         ratio = r["rps"] / sglang[c]["rps"] if c in sglang else float("nan")
         lines.append(
-            f"| {r['target']} | {c} | {r['p50_us'] / 1000:.2f} | {r['p99_us'] / 1000:.2f} | {r['rps']:.0f} "
+            f"| {r['target']} | {c} | {r['p50_us'] / 1000:.2f} | {r['p99_us'] / 1000:.2f} "
+            f"| {r['rps']:.0f} "
             f"| {added:+.2f} | {ratio:.2f}x |"
         )
     return "\n".join(lines)

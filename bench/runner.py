@@ -148,7 +148,8 @@ async def _converse(ctx: _Context, conv: Conversation) -> None:
 
 
 def _skip_rest(ctx: _Context, conv: Conversation, first: int) -> None:
-    """A failed turn ends its conversation: later turns would need its reply. Count them as failed."""
+    """A failed turn ends its conversation: later turns would need its reply. Count them as
+    failed."""
     for turn in range(first, len(conv.user_turns)):
         ctx.results.append(
             RequestResult(

@@ -14,12 +14,13 @@ output tokens, HTTP targets only) at concurrency 1 and 16 against:
   per-request ``generation_config`` with ``eos_token_id: -1`` (its CB manager then stops only
   at ``max_tokens``).
 
-All targets run side by side (an idle one costs next to nothing) and each gets a warm-up on
-other prompts first. Repeat i runs every target at every concurrency c with seed 100 i + c (fresh
-prompts: no prefix hits across runs; each target has its own server), targets back to back, so load from other processes on a shared
-host hits the targets of one repeat alike: the a/b ratios are taken repeat by repeat. The table
-shows the best and the median run (outside load only ever slows a run down, so the best is the
-closest to the uncontended figure) and the 1-minute load average at the start of each run.
+All targets run side by side (an idle one costs next to nothing) and each gets a warm-up on other
+prompts first. Repeat i runs every target at every concurrency c with seed 100 i + c (fresh
+prompts: no prefix hits across runs; each target has its own server), targets back to back, so load
+from other processes on a shared host hits the targets of one repeat alike: the a/b ratios are
+taken repeat by repeat. The table shows the best and the median run (outside load only ever slows a
+run down, so the best is the closest to the uncontended figure) and the 1-minute load average at
+the start of each run.
 """
 
 from __future__ import annotations
@@ -213,13 +214,15 @@ def measure(targets: list, args) -> dict[tuple[str, int], list[dict]]:
     for i in range(args.repeats):
         for conc in args.concurrency:
             for target in targets:
-                # A seed per (repeat, concurrency): a server never sees a prompt twice, so no run is helped
-                # by the prefix cache of an earlier one (--workload prefix_repetition shares within a run).
+                # A seed per (repeat, concurrency): a server never sees a prompt twice, so no run
+                # is helped by the prefix cache of an earlier one (--workload prefix_repetition
+                # shares within a run).
                 summary = target.once(args.num_prompts, conc, 100 * i + conc, f"c{conc}-r{i}")
                 runs.setdefault((target.name, conc), []).append(summary)
                 print(
                     f"repeat {i} c={conc} {target.name}: {summary['output_throughput']:.0f} tok/s, "
-                    f"TTFT p50 {summary['ttft_ms']['median']:.1f} ms, load {summary['load_avg_1m']:.2f}",
+                    f"TTFT p50 {summary['ttft_ms']['median']:.1f} ms, "
+                    f"load {summary['load_avg_1m']:.2f}",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -259,9 +262,11 @@ def ratios(rows: list[dict], a: str, b: str) -> list[dict]:
         rb = by.get((b, conc))
         if name != a or rb is None:
             continue
-        tput = [x / y for x, y in zip(ra["output_tok_s"], rb["output_tok_s"]) if y]
-        ttft = [x / y for x, y in zip(ra["ttft_p50_ms"], rb["ttft_p50_ms"]) if y]
-        cpu = [x / y for x, y in zip(ra["cpu_ms_per_token"], rb["cpu_ms_per_token"]) if y]
+        tput = [x / y for x, y in zip(ra["output_tok_s"], rb["output_tok_s"], strict=True) if y]
+        ttft = [x / y for x, y in zip(ra["ttft_p50_ms"], rb["ttft_p50_ms"], strict=True) if y]
+        cpu = [
+            x / y for x, y in zip(ra["cpu_ms_per_token"], rb["cpu_ms_per_token"], strict=True) if y
+        ]
         out.append(
             {
                 "a": a,
@@ -287,7 +292,8 @@ def markdown(rows: list[dict], pairs: list[dict]) -> str:
     for r in rows:
         lines.append(
             f"| {r['target']} | {r['concurrency']} | {r['output_tok_s_best']:.0f} "
-            f"({r['output_tok_s_median']:.0f}) | {r['ttft_p50_ms_best']:.1f} ({r['ttft_p50_ms_median']:.1f}) "
+            f"({r['output_tok_s_median']:.0f}) | {r['ttft_p50_ms_best']:.1f} "
+            f"({r['ttft_p50_ms_median']:.1f}) "
             f"| {r['ttft_p99_ms_of_best']:.1f} | {r['tpot_p50_ms_of_best']:.1f} "
             f"| {r['cpu_ms_per_token_median']:.2f} | {', '.join(map(str, r['cached_tokens']))} "
             f"| {r['failed']} | {', '.join(map(str, r['load_avg_1m']))} |"
@@ -303,8 +309,10 @@ def markdown(rows: list[dict], pairs: list[dict]) -> str:
     for p in pairs:
         lines.append(
             f"| {p['a']} / {p['b']} | {p['concurrency']} | {p['throughput_ratio_median']:.2f} "
-            f"({', '.join(f'{x:.2f}' for x in p['throughput_ratios'])}) | {p['ttft_p50_ratio_median']:.2f} "
-            f"({', '.join(f'{x:.2f}' for x in p['ttft_p50_ratios'])}) | {p['cpu_per_token_ratio_median']:.2f} |"
+            f"({', '.join(f'{x:.2f}' for x in p['throughput_ratios'])}) "
+            f"| {p['ttft_p50_ratio_median']:.2f} "
+            f"({', '.join(f'{x:.2f}' for x in p['ttft_p50_ratios'])}) "
+            f"| {p['cpu_per_token_ratio_median']:.2f} |"
         )
     return "\n".join(lines)
 
@@ -342,8 +350,9 @@ def start_targets(stack: contextlib.ExitStack, args, out: Path, model: str) -> l
     if "tf-serve" in args.targets:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        # Its CB cache takes 60 % of free RAM on a CPU by default (11 GB RSS here); give it our KV capacity
-        # instead: 2730 blocks of 16 tokens, what runengine's default 256 MiB pool holds for this model.
+        # Its CB cache takes 60 % of free RAM on a CPU by default (11 GB RSS here); give it our KV
+        # capacity instead: 2730 blocks of 16 tokens, what runengine's default 256 MiB pool holds
+        # for this model.
         cmd = [
             str(Path(sys.executable).with_name("transformers")),
             "serve",

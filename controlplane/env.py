@@ -37,7 +37,8 @@ def env_list(environ: Mapping[str, str], name: str, default: list[str]) -> list[
 
 
 def parse_database_url(url: str, *, base_dir: Path) -> dict[str, Any]:
-    """Turn ``postgres://user:pass@host:port/name?opt=v`` or ``sqlite:///path`` into a DATABASES entry.
+    """Turn ``postgres://user:pass@host:port/name?opt=v`` or ``sqlite:///path`` into a DATABASES
+    entry.
 
     SQLite follows the SQLAlchemy convention: three slashes for a path relative to
     ``base_dir``, four for an absolute path, ``sqlite://:memory:`` for memory.
@@ -111,7 +112,8 @@ def channel_layers(redis_url: str | None) -> dict[str, Any]:
 def namespaced_settings(
     environ: Mapping[str, str], prefix: str, defaults: Mapping[str, Any]
 ) -> dict[str, Any]:
-    """Copy ``defaults``, overriding each key from ``{prefix}{KEY}`` coerced to the default's type."""
+    """Copy ``defaults``, overriding each key from ``{prefix}{KEY}`` coerced to the default's
+    type."""
     resolved = dict(defaults)
     for key, default in defaults.items():
         name = f"{prefix}{key}"

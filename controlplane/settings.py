@@ -131,7 +131,8 @@ CONTROL_PLANE = namespaced_settings(
         "REQUEST_TIMEOUT_S": 600.0,
         # Access control. Comma-separated lists; empty means none configured.
         # ADMIN_KEYS: Bearer keys for the /workers mutations (besides a staff session).
-        # API_KEYS: Bearer keys the OpenAI endpoints require (empty: open, like vLLM without --api-key).
+        # API_KEYS: Bearer keys the OpenAI endpoints require (empty: open, like vLLM without
+        # --api-key).
         "ADMIN_KEYS": "",
         "API_KEYS": "",
         # Periodic jobs (apps/routing/tasks.py): in the router process without a broker, or Celery
@@ -142,7 +143,8 @@ CONTROL_PLANE = namespaced_settings(
         "SAMPLE_RETENTION_S": 86400.0,
         "EVENT_RETENTION_S": 7 * 86400.0,
         "DASHBOARD_WINDOW_S": 600.0,
-        # With REDIS_URL: router processes publish their prefix-index inserts and load to each other.
+        # With REDIS_URL: router processes publish their prefix-index inserts and load to each
+        # other.
         "SHARE_INDEX": True,
         # Follow the KV events of engines that publish them (ours: GET /kv_events) into the index.
         "KV_EVENTS": True,

@@ -56,14 +56,15 @@ def print_table(title: str, headers: list[str], rows: list[list]) -> None:
     for i, row in enumerate(cells):  # first column left-aligned, numbers right-aligned
         print(
             "  ".join(
-                c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(row, widths))
+                c.ljust(w) if j == 0 else c.rjust(w)
+                for j, (c, w) in enumerate(zip(row, widths, strict=False))
             ).rstrip()
         )
         if i == 0:
             print("  ".join("-" * w for w in widths))
 
 
-# ----- 1. time to first token ----------------------------------------------------------------------
+# ----- 1. time to first token ---------------------------------------------------------------------
 
 
 def time_to_first_token(engine: LLMEngine, request_id: str, prompt: list[int]) -> tuple[float, int]:
@@ -117,11 +118,14 @@ def bench_ttft(args) -> dict:
     result["ratio"] = result["warm"] / result["cold"]
     model = AutoModelForCausalLM.from_pretrained(engine.model_path, dtype=torch.float32).eval()
     reference = {n: forward_ms(model, n, args.runs) for n in (1, 128, 640)}
-    ms = lambda xs: [
-        f"{statistics.median(xs) * 1e3:.1f}",
-        f"{min(xs) * 1e3:.1f}",
-        f"{max(xs) * 1e3:.1f}",
-    ]  # noqa: E731
+
+    def ms(xs):
+        return [
+            f"{statistics.median(xs) * 1e3:.1f}",
+            f"{min(xs) * 1e3:.1f}",
+            f"{max(xs) * 1e3:.1f}",
+        ]
+
     print_table(
         f"Time to first token, 640-token prompt (median of {args.runs} runs)",
         ["case", "cached tokens", "TTFT ms", "min ms", "max ms"],
@@ -143,7 +147,7 @@ def bench_ttft(args) -> dict:
     return result
 
 
-# ----- 2. throughput ---------------------------------------------------------------------------------
+# ----- 2. throughput ------------------------------------------------------------------------------
 
 
 def engine_generate(
@@ -190,7 +194,7 @@ def bench_throughput(args) -> list[dict]:
         h_time, h_out = hf_generate(model, hf_prompts, args.output_tokens)
         e_rate = conc * args.output_tokens / e_time
         h_rate = len(hf_prompts) * args.output_tokens / h_time
-        same = sum(a == b for a, b in zip(e_out, h_out))
+        same = sum(a == b for a, b in zip(e_out, h_out, strict=False))
         results.append(
             {"concurrency": conc, "engine": e_rate, "hf": h_rate, "speedup": e_rate / h_rate}
         )
@@ -214,7 +218,7 @@ def bench_throughput(args) -> list[dict]:
     return results
 
 
-# ----- 3. memory ---------------------------------------------------------------------------------------
+# ----- 3. memory ----------------------------------------------------------------------------------
 
 
 def rss() -> int:
@@ -256,7 +260,7 @@ def bench_memory(args) -> dict:
     return result
 
 
-# ----- entry point ---------------------------------------------------------------------------------------
+# ----- entry point --------------------------------------------------------------------------------
 
 
 class OtherLoad:
@@ -280,7 +284,9 @@ class OtherLoad:
     def __exit__(self, *exc):
         wall, busy, own = (
             now - then
-            for now, then in zip((time.perf_counter(), self._busy(), self._own()), self.start)
+            for now, then in zip(
+                (time.perf_counter(), self._busy(), self._own()), self.start, strict=True
+            )
         )
         share = max(0.0, busy - own) / wall
         print(

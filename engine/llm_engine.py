@@ -103,8 +103,8 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         if len(ids) + params.max_tokens > self.max_model_len:
             raise ValueError(
-                f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
-                f"{len(ids)} tokens and max_tokens is {params.max_tokens}"
+                f"this model's maximum context length is {self.max_model_len} tokens; "
+                f"the prompt has {len(ids)} tokens and max_tokens is {params.max_tokens}"
             )
         need = -(-(len(ids) + params.max_tokens) // self.config.block_size)
         if need > self.block_manager.num_blocks:
@@ -139,11 +139,13 @@ class LLMEngine:
                 self.cache_stats.record(seq.num_prompt_tokens, seq.num_cached_tokens)
         prefills = batch.prefills
         if prefills:
-            # "cached" is the prefix-cache hit, reported with a prompt's first chunk; the later chunks
-            # of a chunked prefill start after tokens computed in earlier steps, which are no hit
+            # "cached" is the prefix-cache hit, reported with a prompt's first chunk; the later
+            # chunks of a chunked prefill start after tokens computed in earlier steps, which are
+            # no hit
             cached = [p.start if p.start == p.seq.num_cached_tokens else 0 for p in prefills]
             self.log.info(
-                "Scheduled prefill batch: %d reqs, %d new tokens (cached: %s, new: %s), req_ids: %s",
+                "Scheduled prefill batch: %d reqs, %d new tokens (cached: %s, new: %s), "
+                "req_ids: %s",
                 len(prefills),
                 sum(p.num_tokens for p in prefills),
                 cached,
@@ -205,7 +207,7 @@ class LLMEngine:
             rid: {"text": "", "token_ids": [], "finish_reason": None, "num_cached_tokens": 0}
             for rid in ids
         }
-        for rid, prompt, p in zip(ids, prompts, params_list):
+        for rid, prompt, p in zip(ids, prompts, params_list, strict=False):
             self.add_request(rid, prompt, p)
         while self.has_unfinished_requests():
             for out in self.step():

@@ -198,7 +198,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[int]:
-        """One forward pass over the batch; returns one sampled token per sampling item, in order."""
+        """One forward pass over the batch; returns one sampled token per sampling item, in
+        order."""
         input_ids: list[int] = []
         positions: list[int] = []
         last: list[int] = []

@@ -47,7 +47,8 @@ class Sequence:
 
     def __repr__(self):
         return (
-            f"Sequence(id={self.seq_id}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
+            f"Sequence(id={self.seq_id}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, "
             f"blocks={self.block_table}, status={self.status.value})"
         )
 
@@ -75,7 +76,8 @@ class Sequence:
         return self.token_ids[i * self.block_size : (i + 1) * self.block_size]
 
     def digest(self, i: int) -> int:
-        """Digest of full block ``i``, computed once and memoised (tokens never change once full)."""
+        """Digest of full block ``i``, computed once and memoised (tokens never change once
+        full)."""
         while len(self._digests) <= i:
             j = len(self._digests)
             parent = self._digests[j - 1] if j else None

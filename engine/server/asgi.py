@@ -33,7 +33,8 @@ async def lifespan(receive, send) -> None:
 
 
 async def read_body(receive, limit: int) -> bytes:
-    """The whole request body; ``BodyTooLarge`` past ``limit`` bytes, ``ClientGone`` on disconnect."""
+    """The whole request body; ``BodyTooLarge`` past ``limit`` bytes, ``ClientGone`` on
+    disconnect."""
     chunks, size = [], 0
     while True:
         message = await receive()

@@ -61,5 +61,6 @@ class Outputs:
     outputs: list[RequestOutput]
     errors: dict[str, str]  # request_id -> message (e.g. a request it could not accept)
     stats: RankStats | None = None
-    # the block manager's KV events since the last message, in order: ("stored" | "removed", digests)
+    # the block manager's KV events since the last message, in order:
+    # ("stored" | "removed", digests)
     kv_events: list[tuple[str, list[int]]] | None = None

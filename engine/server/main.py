@@ -17,7 +17,8 @@ DEFAULT_PORT = 8000
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of DESIGN.md, shared by ``manage.py runengine`` and ``python -m engine.server.main``."""
+    """The flags of DESIGN.md, shared by ``manage.py runengine`` and
+    ``python -m engine.server.main``."""
     parser.add_argument(
         "--model", default="tiny", help="'tiny' (built in) or a local Hugging Face model directory"
     )
@@ -77,14 +78,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def resolve_dp_size(args) -> tuple[int, int]:
-    """(dp_size, tp_size). ``-tp N --enable-dp-attention`` is ATOM's way of asking for N DP ranks."""
+    """(dp_size, tp_size). ``-tp N --enable-dp-attention`` is ATOM's way of asking for N DP
+    ranks."""
     if args.dp_size is not None:
         return args.dp_size, args.tp_size or 1
     if args.enable_dp_attention and args.tp_size:
         return args.tp_size, args.tp_size
     if args.tp_size and args.tp_size > 1:
         raise SystemExit(
-            "tensor parallelism is not implemented; use --dp-size N (or -tp N --enable-dp-attention)"
+            "tensor parallelism is not implemented; "
+            "use --dp-size N (or -tp N --enable-dp-attention)"
         )
     return 1, 1
 
@@ -183,8 +186,8 @@ def register(router_url: str, own_url: str, key: str | None = None) -> None:
             logger.info("registered with router %s: %s", router_url, r.status_code)
         elif r.status_code in (401, 403):
             logger.error(
-                "router %s refused registration (%s): %s the router's admin key with --register-key "
-                "(or CONTROL_PLANE_ADMIN_KEYS); not retrying",
+                "router %s refused registration (%s): %s the router's admin key "
+                "with --register-key (or CONTROL_PLANE_ADMIN_KEYS); not retrying",
                 router_url,
                 r.status_code,
                 "check" if key else "pass",
@@ -198,7 +201,8 @@ def register(router_url: str, own_url: str, key: str | None = None) -> None:
 
 
 def register_key(args) -> str | None:
-    """``--register-key``, else the first of ``CONTROL_PLANE_ADMIN_KEYS`` (the router's own setting)."""
+    """``--register-key``, else the first of ``CONTROL_PLANE_ADMIN_KEYS`` (the router's own
+    setting)."""
     if args.register_key:
         return args.register_key
     keys = [

@@ -56,7 +56,8 @@ def _is_number(v) -> bool:
 
 def rank_hint(body: dict, headers: dict[str, str], dp_size: int) -> int | None:
     """The requested DP rank from ``data_parallel_rank`` / ``data-parallel-rank`` (body) or
-    ``X-data-parallel-rank`` (header); None when absent. Anything but an in-range integer is a 400."""
+    ``X-data-parallel-rank`` (header); None when absent. Anything but an in-range integer is a
+    400."""
     for key in ("data_parallel_rank", "data-parallel-rank"):
         if body.get(key) is not None:
             return _check_rank(body[key], key, dp_size)

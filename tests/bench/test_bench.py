@@ -182,7 +182,9 @@ def test_engine_metrics_parse_and_delta():
         return "".join(
             f'dpmesh_engine_{name}_total{{model_name="tiny",rank="{rank}"}} {value}\n'
             for rank, vals in ((0, r0), (1, r1))
-            for name, value in zip(("requests", "prompt_tokens", "cached_tokens"), vals)
+            for name, value in zip(
+                ("requests", "prompt_tokens", "cached_tokens"), vals, strict=True
+            )
         )
 
     before = engine_metrics.parse(
@@ -197,7 +199,7 @@ def test_engine_metrics_parse_and_delta():
     assert engine_metrics.metrics_url("http://h:1/x/metrics") == "http://h:1/x/metrics"
 
 
-# ----- the client against a fake server ------------------------------------------------------------
+# ----- the client against a fake server -----------------------------------------------------------
 def _sse(*events) -> bytes:
     return b"".join(
         b"data: " + (e if isinstance(e, bytes) else json.dumps(e).encode()) + b"\n\n"

@@ -1,5 +1,6 @@
-"""Smoke tests of the in-process benchmark command (no timing assertions: numbers are machine-bound).
-Thread counts are left alone (``main`` and ``--threads`` set torch's process-wide setting)."""
+"""Smoke tests of the in-process benchmark command (no timing assertions: numbers are
+machine-bound). Thread counts are left alone (``main`` and ``--threads`` set torch's
+process-wide setting)."""
 
 import re
 

@@ -366,7 +366,7 @@ def test_undrained_events_are_bounded(monkeypatch):
     assert bm.drain_events() == []
 
 
-# ----- integrity -----------------------------------------------------------------------------------
+# ----- integrity ----------------------------------------------------------------------------------
 
 
 def test_check_integrity_passes_on_consistent_state(bm):

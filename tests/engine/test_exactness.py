@@ -49,10 +49,14 @@ def make_engine(**kw) -> LLMEngine:
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
 
 
+def _first_difference(got: list, expected: list) -> int:
+    pairs = zip(got + [None], expected + [None], strict=False)
+    return next(i for i, (a, b) in enumerate(pairs) if a != b)
+
+
 def assert_same(engine_out, expected):
     assert engine_out["token_ids"] == expected, (
-        f"first difference at position "
-        f"{next(i for i, (a, b) in enumerate(zip(engine_out['token_ids'] + [None], expected + [None])) if a != b)}"
+        f"first difference at position {_first_difference(engine_out['token_ids'], expected)}"
     )
 
 
@@ -61,7 +65,7 @@ def test_batch_of_mixed_lengths(reference):
     prompts = [random_prompt(rng, n) for n in (1, 5, 17, 64, 131, 300)]
     engine = make_engine()
     outs = engine.generate(prompts, GREEDY)
-    for prompt, out in zip(prompts, outs):
+    for prompt, out in zip(prompts, outs, strict=True):
         assert_same(out, reference(prompt))
     engine.block_manager.check_integrity([])
 
@@ -78,7 +82,7 @@ def test_prefix_cache_hits(reference):
     outs = engine.generate(follow, GREEDY)
     # 160 shared tokens = 10 blocks; the 100-token head gives 6 full blocks.
     assert [o["num_cached_tokens"] for o in outs] == [160, 160, 160, 96]
-    for prompt, out in zip(follow, outs):
+    for prompt, out in zip(follow, outs, strict=True):
         assert_same(out, reference(prompt))
     # the whole prompt cached: the last token is recomputed, so the last block cannot hit
     again = engine.generate([first[:160]], GREEDY)[0]
@@ -91,7 +95,7 @@ def test_chunked_prefill(reference):
     prompts = [random_prompt(rng, n) for n in (300, 150, 77)]
     engine = make_engine(max_num_batched_tokens=48)
     outs = engine.generate(prompts, GREEDY)
-    for prompt, out in zip(prompts, outs):
+    for prompt, out in zip(prompts, outs, strict=True):
         assert_same(out, reference(prompt))
 
 
@@ -103,6 +107,6 @@ def test_preempted_and_resumed(reference):
     engine = make_engine(num_kv_blocks=20)
     outs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0))
     assert engine.scheduler.num_preemptions > 0
-    for prompt, out in zip(prompts, outs):
+    for prompt, out in zip(prompts, outs, strict=True):
         assert_same(out, reference(prompt, max_tokens))
     engine.block_manager.check_integrity([])

@@ -133,7 +133,7 @@ def test_seeded_request_ignores_its_batch():
     assert batched == alone
 
 
-# ----- sampling on the model -------------------------------------------------------------------------
+# ----- sampling on the model ----------------------------------------------------------------------
 
 
 def test_greedy_variants_agree(engine, prompts):
@@ -244,7 +244,7 @@ def test_stop_string_absent_runs_to_length(engine, prompts):
     assert out["finish_reason"] == "length" and len(out["token_ids"]) == N
 
 
-# ----- detokenization ------------------------------------------------------------------------------
+# ----- detokenization -----------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])

@@ -136,7 +136,7 @@ def test_budget_is_never_exceeded_with_many_requests():
     assert sum(b.num_tokens for b in batches) == sum(s.num_tokens - 1 for s in seqs)
 
 
-# ----- preemption ----------------------------------------------------------------------------------
+# ----- preemption ---------------------------------------------------------------------------------
 
 
 def test_preemption_when_blocks_run_out_and_all_finish():
@@ -180,7 +180,7 @@ def test_preemption_picks_the_latest_running_sequence_which_resumes_from_cache()
     assert a.num_preemptions == 0 and sched.num_preemptions == 1
 
 
-# ----- aborts -------------------------------------------------------------------------------------------
+# ----- aborts -------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("when", ["waiting", "mid_prefill", "decoding", "preempted"])
@@ -218,7 +218,7 @@ def test_abort_in_any_state_frees_blocks(when):
     assert sched.block_manager.usage().used == 0
 
 
-# ----- the engine on the tiny model -----------------------------------------------------------------
+# ----- the engine on the tiny model ---------------------------------------------------------------
 
 
 def tiny_engine(**kw) -> LLMEngine:
@@ -348,9 +348,12 @@ def test_scheduled_prefill_batch_lines(caplog):
         f"req_ids: ({hit.seq_id}, {fresh.seq_id})",
         # chunked under the 16-token budget: "cached" is the prefix-cache hit, so the continuation
         # chunks (whose earlier tokens were computed in earlier steps, not found cached) show 0
-        f"Scheduled prefill batch: 1 reqs, 16 new tokens (cached: [0], new: [16]), req_ids: ({long.seq_id},)",
-        f"Scheduled prefill batch: 1 reqs, 16 new tokens (cached: [0], new: [16]), req_ids: ({long.seq_id},)",
-        f"Scheduled prefill batch: 1 reqs, 8 new tokens (cached: [0], new: [8]), req_ids: ({long.seq_id},)",
+        f"Scheduled prefill batch: 1 reqs, 16 new tokens (cached: [0], new: [16]), "
+        f"req_ids: ({long.seq_id},)",
+        f"Scheduled prefill batch: 1 reqs, 16 new tokens (cached: [0], new: [16]), "
+        f"req_ids: ({long.seq_id},)",
+        f"Scheduled prefill batch: 1 reqs, 8 new tokens (cached: [0], new: [8]), "
+        f"req_ids: ({long.seq_id},)",
     ]
     assert first.num_cached_tokens == 0 and hit.num_cached_tokens == 20
     caplog.clear()
@@ -360,8 +363,10 @@ def test_scheduled_prefill_batch_lines(caplog):
     while engine.has_unfinished_requests():
         engine.step()
     assert [line for line in engine_lines(caplog) if line.startswith("Scheduled")] == [
-        f"Scheduled prefill batch: 1 reqs, 16 new tokens (cached: [32], new: [16]), req_ids: ({again.seq_id},)",
-        f"Scheduled prefill batch: 1 reqs, 4 new tokens (cached: [0], new: [4]), req_ids: ({again.seq_id},)",
+        f"Scheduled prefill batch: 1 reqs, 16 new tokens (cached: [32], new: [16]), "
+        f"req_ids: ({again.seq_id},)",
+        f"Scheduled prefill batch: 1 reqs, 4 new tokens (cached: [0], new: [4]), "
+        f"req_ids: ({again.seq_id},)",
     ]
 
 
@@ -373,6 +378,6 @@ def test_log_prefix_names_the_rank(caplog):
     seq = engine.add_request("r", [11, 12, 13], SamplingParams(max_tokens=1, temperature=0))
     engine.step()
     assert (
-        f"[DP3] Scheduled prefill batch: 1 reqs, 3 new tokens (cached: [0], new: [3]), req_ids: ({seq.seq_id},)"
-        in engine_lines(caplog)
+        f"[DP3] Scheduled prefill batch: 1 reqs, 3 new tokens (cached: [0], new: [3]), "
+        f"req_ids: ({seq.seq_id},)" in engine_lines(caplog)
     )

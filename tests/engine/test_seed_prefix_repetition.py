@@ -19,7 +19,8 @@ INTERVAL = 20
 
 
 def prefix_repetition(seed: int) -> list[tuple[int, list[int]]]:
-    """(prefix index, token ids) per prompt: random prefixes, a fresh random suffix each, shuffled."""
+    """(prefix index, token ids) per prompt: random prefixes, a fresh random suffix each,
+    shuffled."""
     rng = random.Random(seed)
     prefixes = [[rng.randrange(8, 4096) for _ in range(PREFIX_LEN)] for _ in range(NUM_PREFIXES)]
     prompts = [
@@ -35,7 +36,8 @@ def prefix_repetition(seed: int) -> list[tuple[int, list[int]]]:
 
 def expected_cached(assignment: list[tuple[int, int]]) -> dict[int, list[int]]:
     """Per rank, the cached tokens of each request in order, from the block rules: a prefix seen
-    before on the same rank hits all its full blocks (512 / 16 = 32); the random suffix never hits."""
+    before on the same rank hits all its full blocks (512 / 16 = 32); the random suffix never
+    hits."""
     seen, out = set(), {r: [] for r in range(DP)}
     for prefix, rank in assignment:
         out[rank].append((PREFIX_LEN // BLOCK) * BLOCK if (prefix, rank) in seen else 0)
@@ -60,7 +62,10 @@ def run(url: str, prompts, pin: bool) -> list[tuple[int, int]]:
 
 
 def cache_stats_lines(log: str, rank: int) -> list[tuple[int, int, int]]:
-    pattern = rf"\[DP{rank}\].*\[Cache Stats {' ' * 8}\] Reqs: (\d+), Cached/Total tokens: (\d+)/(\d+), Hit rate: "
+    pattern = (
+        rf"\[DP{rank}\].*\[Cache Stats {' ' * 8}\] Reqs: (\d+), "
+        r"Cached/Total tokens: (\d+)/(\d+), Hit rate: "
+    )
     return [tuple(map(int, m)) for m in re.findall(pattern, log)]
 
 
@@ -90,7 +95,8 @@ def test_pinned_prefixes_hit_exactly_and_round_robin_hits_less(tmp_path):
             assert lines[-1] == (last, sum(expected[rank][:last]), last * (PREFIX_LEN + SUFFIX_LEN))
         assert sum(sum(v) for v in expected.values()) == (NUM_PROMPTS - NUM_PREFIXES) * 512
         assert re.search(
-            r"\[DP\d\].*Scheduled prefill batch: 1 reqs, 128 new tokens \(cached: \[512\], new: \[128\]\)",
+            r"\[DP\d\].*Scheduled prefill batch: 1 reqs, 128 new tokens "
+            r"\(cached: \[512\], new: \[128\]\)",
             log,
         )
 
@@ -102,5 +108,6 @@ def test_pinned_prefixes_hit_exactly_and_round_robin_hits_less(tmp_path):
         assert rr_cached == sum(sum(v) for v in expected_cached(unpinned).values())
         assert rr_cached < (NUM_PROMPTS - NUM_PREFIXES) * 512
         print(
-            f"pinned cached {(NUM_PROMPTS - NUM_PREFIXES) * 512} tokens, round robin {int(rr_cached)}"
+            f"pinned cached {(NUM_PROMPTS - NUM_PREFIXES) * 512} tokens, "
+            f"round robin {int(rr_cached)}"
         )

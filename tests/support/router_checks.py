@@ -71,7 +71,8 @@ def start_engine_on(tmp: Path, port: int, dp_size: int, name: str) -> ServerProc
 
 
 def kill_hard(server: ServerProcess) -> None:
-    """SIGKILL the server's whole process group (an engine's front and rank processes): no goodbye."""
+    """SIGKILL the server's whole process group (an engine's front and rank processes): no
+    goodbye."""
     os.killpg(server.proc.pid, signal.SIGKILL)
     server.proc.wait(10)
 

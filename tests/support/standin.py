@@ -123,7 +123,7 @@ class StandIn:
             time.sleep(0.02)
         return self.received
 
-    # ----- HTTP ------------------------------------------------------------------------------------
+    # ----- HTTP -----------------------------------------------------------------------------------
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._writers.add(writer)
         try:
@@ -183,7 +183,8 @@ class StandIn:
     def _send(self, writer, status: int, payload: dict, extra: str = "") -> None:
         data = json.dumps(payload).encode()
         writer.write(
-            f"HTTP/1.1 {status} {REASONS.get(status, 'Status')}\r\ncontent-type: application/json\r\n"
+            f"HTTP/1.1 {status} {REASONS.get(status, 'Status')}\r\n"
+            f"content-type: application/json\r\n"
             f"content-length: {len(data)}\r\n{extra}\r\n".encode()
             + data
         )
