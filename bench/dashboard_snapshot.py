@@ -34,9 +34,8 @@ def main(argv: list[str] | None = None) -> None:
     from django.utils import timezone
 
     from apps.replicas.models import Rank, RankSample, Worker
-    from apps.replicas.services import install
-    from apps.routing.dashboard import build_snapshot
     from apps.routing.router import Router, RouterConfig
+    from apps.routing.selectors import build_snapshot
 
     call_command("migrate", verbosity=0)
     router = Router(RouterConfig())
@@ -44,7 +43,7 @@ def main(argv: list[str] | None = None) -> None:
         url="http://127.0.0.1:9", dp_size=args.ranks, server_info={"dp_size": args.ranks}
     )
     ids = {r: Rank.objects.create(worker=worker, rank=r).id for r in range(args.ranks)}
-    install(router, worker, ids)
+    router.worker_saved(worker, ids)
     now = timezone.now()
     RankSample.objects.bulk_create(
         RankSample(

@@ -24,16 +24,15 @@ import argparse
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import httpx
+
+from bench.procs import free_port, start
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "standin"
@@ -58,49 +57,12 @@ end
 """
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 60.0) -> None:
-    """Until ``url`` answers 200 (for a router: it has discovered the stand-in)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args[:4]} exited with {proc.returncode}")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"{url} not ready after {timeout}s")
-
-
 @contextmanager
 def server(cmd: list[str], ready_url: str, log: Path, env: dict | None = None):
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            cmd,
-            cwd=REPO,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env={**os.environ, **(env or {})},
-        )
-    try:
-        wait_ready(ready_url, proc)
-        yield proc
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+    """Run ``cmd`` until the block ends; yields once ``ready_url`` answers 200 (for a router: it
+    has discovered the stand-in)."""
+    with start(cmd, ready_url, log, health="", timeout=60.0, env=env) as process:
+        yield process.proc
 
 
 def wrk(url: str, connections: int, duration: int, script: Path) -> dict:

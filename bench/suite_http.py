@@ -30,17 +30,13 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
-
-import httpx
 
 from bench import compare_inprocess
 from bench.cli import build_parser, run
+from bench.procs import free_port, start
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WORKLOADS = {
@@ -69,49 +65,14 @@ WORKLOADS = {
 TF_BODY = json.dumps({"generation_config": json.dumps({"do_sample": False, "eos_token_id": -1})})
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @contextlib.contextmanager
 def server(
     cmd: list[str], url: str, log_path: Path, timeout: float = 300.0, env: dict | None = None
 ):
-    """Run ``cmd`` until the block ends; yields once ``url/health`` answers 200."""
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            cmd,
-            cwd=REPO_ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env={**os.environ, **(env or {})},
-        )
-    try:
-        deadline = time.monotonic() + timeout
-        while not _healthy(url):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{cmd[:3]} did not come up; see {log_path}")
-            time.sleep(0.5)
-        yield proc
-    finally:
-        proc.send_signal(
-            signal.SIGTERM
-        )  # not SIGINT: a shell's background job passes SIGINT on ignored
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(url + "/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
+    """Run ``cmd`` until the block ends; yields once ``url/health`` answers 200. Stopped with
+    SIGTERM, not SIGINT: a shell's background job passes SIGINT on ignored."""
+    with start(cmd, url, log_path, timeout=timeout, env=env, stop_signal=signal.SIGTERM) as process:
+        yield process.proc
 
 
 def bench_once(url: str, flags: list[str], json_path: Path) -> dict:

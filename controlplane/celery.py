@@ -1,7 +1,8 @@
 """The Celery app. With ``REDIS_URL`` it uses Redis as broker and result backend, and a worker
 plus beat run the periodic jobs (``celery -A controlplane worker --beat``); without it tasks run
 eagerly where they are sent and the router process schedules the periodic jobs itself
-(apps/routing/background.py). Both read the ``CELERY_*`` settings and the same intervals.
+(apps/routing/jobs.py, embedded_jobs_loop). Both read the ``CELERY_*`` settings and the same
+intervals.
 """
 
 import os

@@ -7,10 +7,11 @@ skip would hide a broken set-up.
 """
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
+
+from bench import procs
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 POSTGRES_SERVER_URL = os.environ.get("TEST_POSTGRES_URL", "postgres://postgres@127.0.0.1:5432")
@@ -36,9 +37,7 @@ def repo_root() -> Path:
 @pytest.fixture
 def free_port() -> int:
     """A TCP port that was free a moment ago (the OS picks it, so parallel runs do not clash)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return procs.free_port()
 
 
 @pytest.fixture(scope="session")

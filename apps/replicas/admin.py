@@ -1,5 +1,6 @@
-"""The admin for the fleet. Every change goes through apps/replicas/services.py, so the router's
-in-memory fleet follows the database: adding a worker runs discovery (an unreachable one is a form
+"""The admin for the fleet. Every change goes through apps/replicas/services.py, given the
+router process's runtime (apps/replicas/runtime.py), so the router's in-memory fleet follows the
+database: adding a worker runs discovery (an unreachable one is a form
 error and nothing is saved), draining and removal reach the router at once.
 
 The admin's views are sync and run in a worker thread (daphne runs Django under ASGI), so the
@@ -21,6 +22,7 @@ from django.utils.html import format_html, format_html_join
 
 from apps.replicas.discovery import DiscoveryError
 from apps.replicas.models import Rank, RankSample, Worker, WorkerEvent
+from apps.replicas.runtime import runtime_of
 from apps.replicas.services import normalize_url, worker_add, worker_remove, worker_set_draining
 
 HISTORY_LENGTH = 50
@@ -49,6 +51,7 @@ class WorkerAddForm(forms.ModelForm):
         fields = ["url", "api_key", "dp_aware"]
 
     registered: Worker | None = None
+    runtime = None  # the router process's (set per request by ``WorkerAdmin.get_form``)
 
     def clean_url(self):
         try:
@@ -69,6 +72,7 @@ class WorkerAddForm(forms.ModelForm):
                 api_key=data.get("api_key") or "",
                 dp_aware=bool(data.get("dp_aware")),
                 strict=True,
+                runtime=self.runtime,
             )
         except (ValueError, DiscoveryError) as exc:
             raise ValidationError(f"discovery failed: {exc}") from exc
@@ -197,7 +201,7 @@ class WorkerAdmin(admin.ModelAdmin):
     def get_queryset(self, request):
         return super().get_queryset(request).annotate(rank_count=Count("ranks"))
 
-    # ----- columns and read-only fields ---------------------------------------------------------------
+    # ----- columns and read-only fields -----------------------------------------------------------
     @admin.display(description="model", ordering="served_model_name")
     def model_name(self, worker):  # not ``model``: ModelAdmin.model is the model class
         return worker.model_name
@@ -228,10 +232,12 @@ class WorkerAdmin(admin.ModelAdmin):
             rows,
         )
 
-    # ----- add and change: through the services ---------------------------------------------------------
+    # ----- add and change: through the services ---------------------------------------------------
     def get_form(self, request, obj=None, **kwargs):
         if obj is None:
-            kwargs["form"] = self.add_form
+            kwargs["form"] = type(
+                "WorkerAddForm", (self.add_form,), {"runtime": runtime_of(request)}
+            )
         return super().get_form(request, obj, **kwargs)
 
     def get_fieldsets(self, request, obj=None):
@@ -250,17 +256,24 @@ class WorkerAdmin(admin.ModelAdmin):
         if (obj.api_key, obj.dp_aware) != (saved.api_key, saved.dp_aware):
             # rediscover with the new key, and install the targets dp-awareness asks for
             async_to_sync(worker_add)(
-                url=saved.url, api_key=obj.api_key, dp_aware=obj.dp_aware, strict=False
+                url=saved.url,
+                api_key=obj.api_key,
+                dp_aware=obj.dp_aware,
+                strict=False,
+                runtime=runtime_of(request),
             )
         if obj.draining != saved.draining:
-            async_to_sync(worker_set_draining)(worker_id=obj.pk, draining=obj.draining)
+            async_to_sync(worker_set_draining)(
+                worker_id=obj.pk, draining=obj.draining, runtime=runtime_of(request)
+            )
 
-    # ----- removal: through worker_remove, so the router forgets the targets ----------------------------
+    # ----- removal: through worker_remove, so the router forgets the targets ----------------------
     def delete_model(self, request, obj):
-        async_to_sync(worker_remove)(worker_id=obj.pk)
+        async_to_sync(worker_remove)(worker_id=obj.pk, runtime=runtime_of(request))
 
     def delete_queryset(self, request, queryset):
-        async_to_sync(_remove_all)(list(queryset.values_list("id", flat=True)))
+        ids = list(queryset.values_list("id", flat=True))
+        async_to_sync(_remove_all)(ids, runtime_of(request))
 
     def get_deleted_objects(self, objs, request):
         """A worker's ranks, events and samples go with it: their admins refusing deletion on their
@@ -289,7 +302,7 @@ class WorkerAdmin(admin.ModelAdmin):
 
     def _set_draining(self, request, queryset, draining: bool):
         ids = list(queryset.values_list("id", flat=True))
-        async_to_sync(_drain_all)(ids, draining)
+        async_to_sync(_drain_all)(ids, draining, runtime_of(request))
         self.message_user(
             request,
             f"{'Drained' if draining else 'Undrained'} {len(ids)} worker(s).",
@@ -307,14 +320,14 @@ remove_selected.short_description = "Remove selected workers"
 remove_selected.allowed_permissions = ("delete",)
 
 
-async def _remove_all(ids: list[int]) -> None:
+async def _remove_all(ids: list[int], runtime) -> None:
     for worker_id in ids:
-        await worker_remove(worker_id=worker_id)
+        await worker_remove(worker_id=worker_id, runtime=runtime)
 
 
-async def _drain_all(ids: list[int], draining: bool) -> None:
+async def _drain_all(ids: list[int], draining: bool, runtime) -> None:
     for worker_id in ids:
-        await worker_set_draining(worker_id=worker_id, draining=draining)
+        await worker_set_draining(worker_id=worker_id, draining=draining, runtime=runtime)
 
 
 @admin.register(Rank)

@@ -20,24 +20,18 @@ The settings are read on every check (a dict lookup and a split: nothing worth c
 from __future__ import annotations
 
 import hmac
-import json
 from functools import wraps
 
 from django.conf import settings
 from django.http import JsonResponse
 from django.middleware.csrf import CsrfViewMiddleware
 
+from controlplane.errors import error_bytes, error_response
+
 SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
 
-INVALID_API_KEY = {
-    "error": {
-        "message": "Incorrect API key provided.",
-        "type": "invalid_request_error",
-        "param": None,
-        "code": "invalid_api_key",
-    }
-}
-INVALID_API_KEY_BODY = json.dumps(INVALID_API_KEY).encode()
+INVALID_API_KEY = ("Incorrect API key provided.", "invalid_request_error", "invalid_api_key")
+INVALID_API_KEY_BODY = error_bytes(401, *INVALID_API_KEY)
 
 
 def configured_keys(name: str) -> list[str]:
@@ -71,7 +65,7 @@ def key_matches(token: bytes | None, keys: list[str]) -> bool:
     return found
 
 
-# ----- OpenAI endpoints -----------------------------------------------------------------------------
+# ----- OpenAI endpoints ---------------------------------------------------------------------------
 def api_key_allowed(authorization: str | bytes | None) -> bool:
     """True when no API key is configured, or the header carries one of them."""
     keys = configured_keys("API_KEYS")
@@ -87,21 +81,10 @@ def scope_authorization(scope) -> bytes | None:
 
 
 def invalid_api_key_response() -> JsonResponse:
-    response = JsonResponse(INVALID_API_KEY, status=401)
-    response["WWW-Authenticate"] = "Bearer"
-    return response
+    return error_response(401, *INVALID_API_KEY)
 
 
-# ----- fleet mutations --------------------------------------------------------------------------------
-def _refuse(status: int, message: str, kind: str) -> JsonResponse:
-    response = JsonResponse(
-        {"error": {"message": message, "type": kind, "param": None, "code": status}}, status=status
-    )
-    if status == 401:
-        response["WWW-Authenticate"] = "Bearer"
-    return response
-
-
+# ----- fleet mutations ----------------------------------------------------------------------------
 async def admin_refusal(request) -> JsonResponse | None:
     """None when ``request`` may change the fleet, else the 401/403 answer.
 
@@ -112,19 +95,19 @@ async def admin_refusal(request) -> JsonResponse | None:
     if authorization:
         if key_matches(bearer_token(authorization), configured_keys("ADMIN_KEYS")):
             return None
-        return _refuse(401, "Incorrect admin key provided.", "authentication_error")
+        return error_response(401, "Incorrect admin key provided.", "authentication_error")
     user = await request.auser() if hasattr(request, "auser") else None
     if user is None or not user.is_authenticated:
-        return _refuse(
+        return error_response(
             401,
             "Changing workers needs 'Authorization: Bearer <admin key>' (CONTROL_PLANE_ADMIN_KEYS "
             "or runrouter --admin-key) or a staff session.",
             "authentication_error",
         )
     if not (user.is_active and user.is_staff):
-        return _refuse(403, "Only staff users may change workers.", "invalid_request_error")
+        return error_response(403, "Only staff users may change workers.", "invalid_request_error")
     if CsrfViewMiddleware(lambda r: None).process_view(request, None, (), {}) is not None:
-        return _refuse(
+        return error_response(
             403,
             "CSRF verification failed: send the csrftoken cookie's value as the X-CSRFToken "
             "header.",

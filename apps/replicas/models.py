@@ -3,6 +3,13 @@
 from django.db import models
 
 
+def target_key(url: str, rank: int | None) -> str:
+    """How a routing target is named everywhere (metrics, the index, the dashboard, headers):
+    ``url@rank`` for a DP rank, the bare URL for a worker routed as one target (``url`` as
+    recorded: services.normalize_url strips its trailing slash)."""
+    return url if rank is None else f"{url}@{rank}"
+
+
 class Worker(models.Model):
     """One OpenAI-compatible server. ``server_info`` is its whole /server_info answer."""
 
@@ -56,7 +63,7 @@ class Rank(models.Model):
         ]
 
     def __str__(self):
-        return self.worker.url if self.rank is None else f"{self.worker.url}@{self.rank}"
+        return target_key(self.worker.url, self.rank)
 
 
 class WorkerEvent(models.Model):

@@ -1,7 +1,8 @@
 """Services that change who serves: register, refresh, drain and remove workers.
 
-Each writes the database (the durable record) and then the router's in-memory fleet (what the
-hot path reads). Selectors at the bottom read.
+Each writes the database (the durable record) and then, inside a router process, tells its live
+fleet through the ``FleetRuntime`` it is given (apps/replicas/runtime.py). Selectors at the
+bottom read.
 """
 
 from __future__ import annotations
@@ -12,10 +13,9 @@ from asgiref.sync import sync_to_async
 from django.db import transaction
 from django.utils import timezone
 
-from apps.replicas.discovery import DiscoveryError, dp_size_of, fetch_server_info, view_of
+from apps.replicas.discovery import DiscoveryError, dp_size_of, fetch_server_info
 from apps.replicas.models import Rank, Worker, WorkerEvent
-from apps.routing.proxy import upstream
-from apps.routing.router import Router, get_router
+from apps.replicas.runtime import FleetRuntime
 
 logger = logging.getLogger(__name__)
 
@@ -95,44 +95,22 @@ def _record_discovery(
         )
 
 
-def install(router: Router, worker: Worker, rank_ids: dict) -> None:
-    """Put a discovered worker's targets into the router."""
-    if not worker.server_info:
-        return  # not discovered yet: the health loop keeps trying
-    old = router.fleet.workers.get(worker.id)
-    before = {t.key for t in router.fleet.targets.get(worker.id, [])}
-    view = view_of(worker, router.config.tokenizer_path)
-    # a restarted engine has empty prefix caches: what the index believes about it is wrong now
-    restarted = (
-        old is not None and old.instance_id is not None and view.instance_id != old.instance_id
-    )
-    targets = router.fleet.put(view, rank_ids)
-    stale = (
-        before if restarted else before - {t.key for t in targets}
-    )  # emptied, or gone (dp_size changed)
-    for key in stale:
-        router.index.remove_rank(key)
-    if restarted:
-        logger.info("worker %s restarted: forgetting what its ranks had cached", worker.url)
-    for target in targets:
-        router.index.set_capacity(target.key, target.worker.capacity_blocks)
-
-
 async def worker_add(
     *,
     url: str,
     api_key: str = "",
     dp_aware: bool | None = None,
     strict: bool = True,
-    router: Router | None = None,
+    runtime: FleetRuntime | None = None,
 ) -> Worker:
-    """Register (or refresh) a worker: discover it through /server_info and add its targets.
-    With ``strict=False`` an unreachable worker is recorded anyway and discovered later."""
-    router = router or get_router()
+    """Register (or refresh) a worker: discover it through /server_info and record it; the
+    runtime then serves its targets. With ``strict=False`` an unreachable worker is recorded
+    anyway and discovered later (the health loop). ``dp_aware`` None: the runtime's default."""
     url = normalize_url(url)
-    dp_aware = router.config.dp_aware if dp_aware is None else dp_aware
+    if dp_aware is None:
+        dp_aware = runtime.dp_aware if runtime is not None else True
     try:
-        info = await fetch_server_info(upstream.get(router.config), url, api_key)
+        info = await fetch_server_info(url, api_key)
         dp_size_of(info)
     except DiscoveryError as exc:
         if strict:
@@ -142,26 +120,24 @@ async def worker_add(
     worker, rank_ids = await sync_to_async(save_worker)(
         url=url, api_key=api_key, dp_aware=dp_aware, info=info
     )
-    install(router, worker, rank_ids)
+    if runtime is not None:
+        runtime.worker_saved(worker, rank_ids)
     logger.info(
         "worker %s: dp_size %d, %s", url, worker.dp_size, "dp-aware" if dp_aware else "one target"
     )
     return worker
 
 
-async def worker_remove(*, worker_id: int, router: Router | None = None) -> bool:
-    router = router or get_router()
-    for target in router.fleet.targets.get(worker_id, []):
-        router.index.remove_rank(target.key)
-    router.fleet.remove(worker_id)
+async def worker_remove(*, worker_id: int, runtime: FleetRuntime | None = None) -> bool:
+    if runtime is not None:
+        runtime.worker_removed(worker_id)
     deleted, _ = await Worker.objects.filter(id=worker_id).adelete()
     return bool(deleted)
 
 
 async def worker_set_draining(
-    *, worker_id: int, draining: bool, router: Router | None = None
+    *, worker_id: int, draining: bool, runtime: FleetRuntime | None = None
 ) -> None:
-    router = router or get_router()
     changed = (
         await Worker.objects.filter(id=worker_id)
         .exclude(draining=draining)
@@ -172,44 +148,36 @@ async def worker_set_draining(
             worker_id=worker_id,
             kind=WorkerEvent.Kind.DRAINING if draining else WorkerEvent.Kind.UNDRAINED,
         )
-    view = router.fleet.workers.get(worker_id)
-    if view is not None:
-        view.draining = draining
+    if runtime is not None:
+        runtime.worker_draining(worker_id, draining)
 
 
-async def fleet_restore(*, router: Router | None = None) -> int:
-    """Load every worker recorded in the database into the router (after a restart)."""
-    router = router or get_router()
-    count = 0
-    async for worker in Worker.objects.all():
-        rank_ids = {r.rank: r.id async for r in worker.ranks.all()}
-        install(router, worker, rank_ids)
-        count += 1
-    return count
+async def worker_set_health(*, worker_id: int, health: str, detail: str) -> None:
+    """Record a health transition the router saw: the worker's health and a WorkerEvent."""
+    updated = await Worker.objects.filter(id=worker_id).aupdate(
+        health=health, health_detail=detail, last_checked_at=timezone.now()
+    )
+    if updated:  # not removed meanwhile
+        await WorkerEvent.objects.acreate(worker_id=worker_id, kind=health, detail=detail)
 
 
 # ----- selectors ----------------------------------------------------------------------------------
-def worker_as_dict(worker: Worker, router: Router | None = None) -> dict:
-    router = router or get_router()
-    view = router.fleet.workers.get(worker.id)
-    targets = router.fleet.targets.get(worker.id, [])
+def worker_list() -> list[tuple[Worker, dict[int | None, int]]]:
+    """Every worker with its Rank ids by rank (sync: one query for the workers, one for ranks)."""
+    workers = Worker.objects.prefetch_related("ranks")
+    return [(w, {r.rank: r.id for r in w.ranks.all()}) for w in workers]
+
+
+def worker_as_dict(worker: Worker, runtime: FleetRuntime | None = None) -> dict:
+    live = runtime.worker_live(worker.id) if runtime is not None else None
     return {
         "id": worker.id,
         "url": worker.url,
         "model": worker.model_name,
         "dp_size": worker.dp_size,
         "dp_aware": worker.dp_aware,
-        "health": ("healthy" if view.healthy else "unhealthy") if view else worker.health,
+        "health": live["health"] if live else worker.health,
         "draining": worker.draining,
         "server_info": worker.server_info,
-        "targets": [
-            {
-                "key": t.key,
-                "rank": t.rank,
-                "circuit": t.breaker.state,
-                "inflight_requests": t.load.requests,
-                "inflight_prompt_tokens": t.load.prompt_tokens,
-            }
-            for t in targets
-        ],
+        "targets": live["targets"] if live else [],
     }

@@ -14,50 +14,41 @@ from django.views.decorators.csrf import csrf_exempt
 from apps.replicas.auth import admin_required
 from apps.replicas.discovery import DiscoveryError
 from apps.replicas.models import Worker
+from apps.replicas.runtime import runtime_of
 from apps.replicas.services import worker_add, worker_as_dict, worker_remove
+from controlplane.errors import error_response
 
 
-def _error(status: int, message: str) -> JsonResponse:
-    return JsonResponse(
-        {
-            "error": {
-                "message": message,
-                "type": "invalid_request_error",
-                "param": None,
-                "code": status,
-            }
-        },
-        status=status,
-    )
-
-
-async def _register(url: str, api_key: str = "", dp_aware=None) -> JsonResponse:
+async def _register(request, url: str, api_key: str = "", dp_aware=None) -> JsonResponse:
+    runtime = runtime_of(request)
     try:
-        worker = await worker_add(url=url, api_key=api_key, dp_aware=dp_aware)
+        worker = await worker_add(url=url, api_key=api_key, dp_aware=dp_aware, runtime=runtime)
     except ValueError as exc:
-        return _error(400, str(exc))
+        return error_response(400, str(exc))
     except DiscoveryError as exc:
-        return _error(502, str(exc))
-    return JsonResponse(worker_as_dict(worker), status=201)
+        return error_response(502, str(exc))
+    return JsonResponse(worker_as_dict(worker, runtime), status=201)
 
 
 @csrf_exempt
 @admin_required
 async def workers(request):
     if request.method == "GET":
-        return JsonResponse({"workers": [worker_as_dict(w) async for w in Worker.objects.all()]})
+        runtime = runtime_of(request)
+        rows = [worker_as_dict(w, runtime) async for w in Worker.objects.all()]
+        return JsonResponse({"workers": rows})
     if request.method != "POST":
-        return _error(405, "use GET or POST")
+        return error_response(405, "use GET or POST")
     try:
         body = json.loads(request.body or b"{}")
     except ValueError:
-        return _error(400, "the request body is not valid JSON")
+        return error_response(400, "the request body is not valid JSON")
     if not isinstance(body, dict) or not isinstance(body.get("url"), str):
-        return _error(400, "'url' is required")
+        return error_response(400, "'url' is required")
     dp_aware = body.get("dp_aware")
     if dp_aware is not None and not isinstance(dp_aware, bool):
-        return _error(400, "'dp_aware' must be a boolean")
-    return await _register(body["url"], str(body.get("api_key") or ""), dp_aware)
+        return error_response(400, "'dp_aware' must be a boolean")
+    return await _register(request, body["url"], str(body.get("api_key") or ""), dp_aware)
 
 
 @csrf_exempt
@@ -65,32 +56,32 @@ async def workers(request):
 async def worker_detail(request, worker_id: int):
     worker = await Worker.objects.filter(id=worker_id).afirst()
     if worker is None:
-        return _error(404, f"no worker {worker_id}")
+        return error_response(404, f"no worker {worker_id}")
     if request.method == "GET":
-        return JsonResponse(worker_as_dict(worker))
+        return JsonResponse(worker_as_dict(worker, runtime_of(request)))
     if request.method == "DELETE":
-        await worker_remove(worker_id=worker_id)
+        await worker_remove(worker_id=worker_id, runtime=runtime_of(request))
         return JsonResponse({"deleted": worker_id})
-    return _error(405, "use GET or DELETE")
+    return error_response(405, "use GET or DELETE")
 
 
 @csrf_exempt
 @admin_required
 async def add_worker(request):
     if request.method != "POST":
-        return _error(405, "use POST")
-    return await _register(request.GET.get("url", ""), request.GET.get("api_key", ""))
+        return error_response(405, "use POST")
+    return await _register(request, request.GET.get("url", ""), request.GET.get("api_key", ""))
 
 
 @csrf_exempt
 @admin_required
 async def remove_worker(request):
     if request.method != "POST":
-        return _error(405, "use POST")
+        return error_response(405, "use POST")
     worker = await Worker.objects.filter(url=request.GET.get("url", "").rstrip("/")).afirst()
     if worker is None:
-        return _error(404, f"no worker {request.GET.get('url')!r}")
-    await worker_remove(worker_id=worker.id)
+        return error_response(404, f"no worker {request.GET.get('url')!r}")
+    await worker_remove(worker_id=worker.id, runtime=runtime_of(request))
     return JsonResponse({"removed": worker.url})
 
 

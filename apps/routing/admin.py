@@ -9,12 +9,12 @@ from django.db import transaction
 
 from apps.routing.jobs import notify_dashboard
 from apps.routing.models import BenchRun, RoutingSettings
-from apps.routing.router import get_router
+from apps.routing.router import router_of
 
 
-async def _apply_policy(name: str) -> None:
+async def _apply_policy(router, name: str) -> None:
     # on the server's event loop (async_to_sync from the admin's thread), where the router lives
-    get_router().set_policy(name)
+    router.set_policy(name)
 
 
 @admin.register(RoutingSettings)
@@ -32,15 +32,16 @@ class RoutingSettingsAdmin(admin.ModelAdmin):
     def save_model(self, request, obj, form, change):
         obj.updated_by = request.user.get_username()
         super().save_model(request, obj, form, change)
-        policy = obj.policy
+        policy, router = obj.policy, router_of(request)
         transaction.on_commit(
-            lambda: (async_to_sync(_apply_policy)(policy), notify_dashboard("policy"))
+            lambda: (async_to_sync(_apply_policy)(router, policy), notify_dashboard("policy"))
         )
 
 
 @admin.register(BenchRun)
 class BenchRunAdmin(admin.ModelAdmin):
-    """Read-only: runs are started from the dashboard (or ``manage.py bench``) and written by the job."""
+    """Read-only: runs are started from the dashboard (or ``manage.py bench``) and written by the
+    job."""
 
     list_display = ["id", "created_at", "status", "params_summary", "result_summary", "created_by"]
     list_filter = ["status"]

@@ -11,10 +11,10 @@ from asgiref.sync import sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 from django.conf import settings
 
-from apps.routing.background import set_policy
-from apps.routing.dashboard import build_snapshot
 from apps.routing.jobs import DASHBOARD_GROUP
-from apps.routing.router import get_router
+from apps.routing.router import router_of
+from apps.routing.selectors import build_snapshot
+from apps.routing.services import policy_set
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
         while True:
             self.pending.clear()
             try:
-                await self.send_json(await sync_to_async(build_snapshot)(get_router()))
+                await self.send_json(await sync_to_async(build_snapshot)(router_of(self.scope)))
             except asyncio.CancelledError:
                 raise
             except Exception:
@@ -70,8 +70,10 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
             await self.send_json({"type": "error", "message": "unknown action"})
             return
         try:
-            await set_policy(
-                get_router(), str(content.get("policy")), self.scope["user"].get_username()
+            await policy_set(
+                router=router_of(self.scope),
+                name=str(content.get("policy")),
+                by=self.scope["user"].get_username(),
             )
         except ValueError as exc:
             await self.send_json({"type": "error", "message": str(exc)})

@@ -11,24 +11,11 @@ from django.http import JsonResponse
 from django.shortcuts import render
 from django.views.decorators.http import require_GET, require_POST
 
-from apps.routing import background, benchjob
-from apps.routing.dashboard import build_snapshot
+from apps.routing import benchjob, services
 from apps.routing.policies import POLICIES
-from apps.routing.router import get_router
-
-
-def _error(status: int, message: str) -> JsonResponse:
-    return JsonResponse(
-        {
-            "error": {
-                "message": message,
-                "type": "invalid_request_error",
-                "param": None,
-                "code": status,
-            }
-        },
-        status=status,
-    )
+from apps.routing.router import router_of
+from apps.routing.selectors import build_snapshot
+from controlplane.errors import error_response
 
 
 def _json_body(request) -> dict:
@@ -49,7 +36,7 @@ def dashboard(request):
         "routing/dashboard.html",
         {
             "policies": sorted(POLICIES),
-            "policy": get_router().config.policy,
+            "policy": router_of(request).config.policy,
             "ws_path": "/ws/dashboard/",
         },
     )
@@ -58,7 +45,7 @@ def dashboard(request):
 @staff_member_required
 @require_GET
 async def snapshot(request):
-    return JsonResponse(await sync_to_async(build_snapshot)(get_router()))
+    return JsonResponse(await sync_to_async(build_snapshot)(router_of(request)))
 
 
 @staff_member_required
@@ -67,16 +54,10 @@ async def policy(request):
     try:
         name = _json_body(request).get("policy")
         user = await request.auser()
-        await background.set_policy(get_router(), str(name), user.get_username())
+        await services.policy_set(router=router_of(request), name=str(name), by=user.get_username())
     except ValueError as exc:
-        return _error(400, str(exc))
-    return JsonResponse({"policy": get_router().config.policy})
-
-
-def _create_run(base_url: str, params: dict, user: str):
-    from apps.routing.models import BenchRun
-
-    return BenchRun.objects.create(base_url=base_url, params=params, created_by=user)
+        return error_response(400, str(exc))
+    return JsonResponse({"policy": router_of(request).config.policy})
 
 
 @staff_member_required
@@ -86,13 +67,15 @@ async def bench(request):
     try:
         params = benchjob.validate(_json_body(request))
     except ValueError as exc:
-        return _error(400, str(exc))
+        return error_response(400, str(exc))
     user = await request.auser()
     # the workload goes to this router process (what the operator is looking at), at the address
     # it listens on; a wildcard bind is reached over loopback
     host, port = request.scope.get("server") or ("127.0.0.1", request.get_port())
     host = "127.0.0.1" if host in (None, "", "0.0.0.0") else "[::1]" if host == "::" else host
     host = f"[{host}]" if ":" in host and not host.startswith("[") else host
-    run = await sync_to_async(_create_run)(f"http://{host}:{port}", params, user.get_username())
-    background.enqueue_bench(run.id)
+    run = await sync_to_async(services.bench_run_create)(
+        base_url=f"http://{host}:{port}", params=params, user=user.get_username()
+    )
+    services.bench_run_enqueue(run_id=run.id)
     return JsonResponse({"id": run.id, "status": run.status, "params": params}, status=202)

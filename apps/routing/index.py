@@ -66,7 +66,7 @@ class PrefixIndex:
 
     def insert(self, key: str, digests: list[int]) -> None:
         """Record that rank ``key`` now holds ``digests`` (most recently used)."""
-        for parent, child in zip(digests, digests[1:]):
+        for parent, child in zip(digests, digests[1:], strict=False):
             if self.first_child.setdefault(parent, child) != child:
                 self.branching.add(parent)
         now = self.clock()
@@ -82,7 +82,8 @@ class PrefixIndex:
         self._trim(key)
 
     def remove(self, key: str, digests: list[int]) -> int:
-        """Rank ``key`` no longer holds ``digests`` (its engine evicted them); returns how many it had."""
+        """Rank ``key`` no longer holds ``digests`` (its engine evicted them); returns how many
+        it had."""
         lru = self.ranks.get(key)
         if lru is None:
             return 0

@@ -2,9 +2,10 @@
 ``RankSample`` rows, prune old rows, refresh discovery, run a benchmark against the fleet.
 
 They touch only the database and the engines (never a router's memory), so the same code runs
-in a Celery worker (``apps/routing/tasks.py`` wraps each one in a task) or, in the embedded
-mode, in a thread of the router process (``apps/routing/background.py``). Router processes pick
-up what they change (a new dp_size, a draining flag) from the database.
+in a Celery worker (``apps/routing/tasks.py`` wraps each one in a task: Celery's convention) or,
+without a broker (no ``REDIS_URL``), in threads of the router process on their intervals
+(``embedded_jobs_loop`` below). Router processes pick up what they change (a new dp_size, a
+draining flag) from the database.
 """
 
 from __future__ import annotations
@@ -14,16 +15,17 @@ import logging
 import time
 from datetime import timedelta
 
-import httpx
-from asgiref.sync import async_to_sync
+from asgiref.sync import async_to_sync, sync_to_async
 from django.conf import settings
+from django.db import close_old_connections
 from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
 
 from apps.replicas.auth import configured_keys
-from apps.replicas.discovery import DiscoveryError, auth_headers, fetch_server_info, stable_info
+from apps.replicas.discovery import DiscoveryError, fetch_server_info, stable_info
 from apps.replicas.models import RankSample, Worker, WorkerEvent
 from apps.replicas.services import save_worker
+from controlplane import http
 
 logger = logging.getLogger(__name__)
 
@@ -110,38 +112,43 @@ def scrape_fleet(timeout: float = 5.0) -> int:
     at = timezone.now()
     rows = []
     workers = list(Worker.objects.exclude(server_info={}).prefetch_related("ranks"))
-    with httpx.Client(timeout=timeout) as client:
-        for worker in workers:
-            try:
-                r = client.get(
-                    worker.url.rstrip("/") + "/metrics", headers=auth_headers(worker.api_key)
+    for worker, parsed in zip(workers, http.run(_scrape_all, workers, timeout), strict=True):
+        for rank in worker.ranks.all():
+            values = _rank_values(parsed, rank.rank) if parsed is not None else None
+            if values is None:
+                last = RankSample.objects.filter(rank=rank).order_by("-at", "-id").first()
+                values = {name: getattr(last, name) for name in SAMPLE_FIELDS} if last else {}
+                rows.append(
+                    RankSample(rank=rank, at=at, up=False, **{k: int(v) for k, v in values.items()})
                 )
-                parsed = parse_engine_metrics(r.text) if r.status_code == 200 else None
-            except (httpx.HTTPError, ValueError) as exc:
-                logger.debug("scraping %s failed: %s", worker.url, exc)
-                parsed = None
-            for rank in worker.ranks.all():
-                values = _rank_values(parsed, rank.rank) if parsed is not None else None
-                if values is None:
-                    last = RankSample.objects.filter(rank=rank).order_by("-at", "-id").first()
-                    values = {name: getattr(last, name) for name in SAMPLE_FIELDS} if last else {}
-                    rows.append(
-                        RankSample(
-                            rank=rank, at=at, up=False, **{k: int(v) for k, v in values.items()}
-                        )
+            else:  # the engine answered; a rank process that died reports rank_up 0
+                rows.append(
+                    RankSample(
+                        rank=rank,
+                        at=at,
+                        up=bool(values.get("rank_up", 1)),
+                        **{k: int(values.get(k, 0)) for k in SAMPLE_FIELDS},
                     )
-                else:  # the engine answered; a rank process that died reports rank_up 0
-                    rows.append(
-                        RankSample(
-                            rank=rank,
-                            at=at,
-                            up=bool(values.get("rank_up", 1)),
-                            **{k: int(values.get(k, 0)) for k in SAMPLE_FIELDS},
-                        )
-                    )
+                )
     RankSample.objects.bulk_create(rows)
     notify_dashboard("scraped")
     return len(rows)
+
+
+async def _scrape_all(workers: list[Worker], timeout: float) -> list[dict | None]:
+    return await asyncio.gather(*(_scrape(w, timeout) for w in workers))
+
+
+async def _scrape(worker: Worker, timeout: float) -> dict | None:
+    """The engine's /metrics by rank, or None when it does not answer them."""
+    try:
+        status, text = await http.get_text(
+            worker.url + "/metrics", api_key=worker.api_key, timeout_s=timeout
+        )
+        return parse_engine_metrics(text) if status == 200 else None
+    except (*http.ERRORS, ValueError) as exc:
+        logger.debug("scraping %s failed: %s", worker.url, exc)
+        return None
 
 
 def prune(now=None) -> dict[str, int]:
@@ -158,10 +165,9 @@ def prune(now=None) -> dict[str, int]:
 
 
 async def _fetch_all(workers: list[Worker], timeout: float) -> list:
-    async with httpx.AsyncClient(timeout=timeout) as client:
-        return await asyncio.gather(
-            *(fetch_server_info(client, w.url, w.api_key) for w in workers), return_exceptions=True
-        )
+    return await asyncio.gather(
+        *(fetch_server_info(w.url, w.api_key, timeout) for w in workers), return_exceptions=True
+    )
 
 
 def refresh_discovery(timeout: float = 10.0) -> dict[str, int]:
@@ -172,8 +178,7 @@ def refresh_discovery(timeout: float = 10.0) -> dict[str, int]:
     loop's business."""
     workers = list(Worker.objects.exclude(server_info={}))
     checked = changed = 0
-    # a loop of this thread's own: never the router's, which may stop while this job runs
-    for worker, info in zip(workers, asyncio.run(_fetch_all(workers, timeout))):
+    for worker, info in zip(workers, http.run(_fetch_all, workers, timeout), strict=True):
         if not isinstance(info, dict) or info.get("foreign"):
             continue  # unreachable now, or a server without /server_info: nothing to refresh
         checked += 1
@@ -241,3 +246,49 @@ def run_bench(run_id: int) -> dict:
     run.save(update_fields=["status", "result", "error", "finished_at"])
     notify_dashboard("bench")
     return {"id": run.id, "status": run.status}
+
+
+# ----- without a broker: the jobs in threads of the router process --------------------------------
+def embedded() -> bool:
+    """True when there is no broker: tasks would run eagerly where they are sent."""
+    return bool(settings.CELERY_TASK_ALWAYS_EAGER)
+
+
+def _run_job(func, *args):
+    try:
+        return func(*args)
+    finally:
+        close_old_connections()  # a worker thread's connection must not outlive the job
+
+
+async def run_in_thread(func, *args):
+    return await sync_to_async(_run_job, thread_sensitive=False)(func, *args)
+
+
+async def embedded_jobs_loop() -> None:
+    """Each job on its own interval; one slow job does not delay the others' schedule."""
+    cp = settings.CONTROL_PLANE
+    schedule = [
+        (scrape_fleet, cp["SCRAPE_INTERVAL_S"]),
+        (refresh_discovery, cp["DISCOVERY_REFRESH_INTERVAL_S"]),
+        (prune, cp["PRUNE_INTERVAL_S"]),
+    ]
+    due = {func: time.monotonic() for func, _ in schedule}
+    running: dict = {}
+    while True:
+        now = time.monotonic()
+        for func, interval in schedule:
+            task = running.get(func)
+            if now >= due[func] and (task is None or task.done()):
+                due[func] = now + interval
+                running[func] = asyncio.ensure_future(_guarded(func))
+        await asyncio.sleep(max(0.05, min(due.values()) - time.monotonic()))
+
+
+async def _guarded(func) -> None:
+    try:
+        await run_in_thread(func)
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        logger.exception("job %s failed", func.__name__)

@@ -1,4 +1,4 @@
-"""Precise prefix index: follow each engine's KV events (``GET /kv_events``) into the router's index.
+"""Precise prefix index: follow each engine's KV events (``GET /kv_events``) into the index.
 
 Our engine publishes, per DP rank, a snapshot of the block digests its prefix cache holds and then
 every block it stores or evicts (engine/server/app.py). A router that computes the same digests
@@ -29,9 +29,12 @@ import logging
 import time
 from collections import Counter
 
-import aiohttp
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from apps.replicas.discovery import auth_headers
+from apps.replicas.models import target_key
+from apps.routing.dispatch import DispatchObserver
+from apps.routing.metrics import PREFIX
+from controlplane import http
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +44,7 @@ RELEASE_TAIL_S = 0.5  # after the prefill: the stored event may still be on its 
 MAX_DEFER_S = 30.0  # a deferred removal is applied by then, whatever happened
 
 
-class KVEventsFeed:
+class KVEventsFeed(DispatchObserver):
     def __init__(self, router):
         self.router = router
         self.readers: dict[
@@ -53,16 +56,32 @@ class KVEventsFeed:
         self.pending: dict[
             str, Counter
         ] = {}  # target key -> digest -> routed requests not yet prefilled
-        # (target key, digest) -> [when its removal arrived, when its last pending request was prefilled]
+        # (target key, digest) -> [when its removal arrived, when its last pending request was
+        # prefilled]
         self.deferred: dict[tuple[str, int], list] = {}
         self.clock = time.monotonic
-        router.index_listeners.append(self.on_route)
-        router.kv_feed = self
+        router.observers.append(self)
 
-    def on_route(self, key: str, digests: list[int]) -> None:
-        """An index listener: the digests of a request just routed to ``key``."""
+    def routed(self, key: str, digests: list[int]) -> None:
+        """The digests of a request just routed to ``key``."""
         if key in self.followed:
             self.pending.setdefault(key, Counter()).update(digests)
+
+    def metric_families(self):
+        yield CounterMetricFamily(
+            f"{PREFIX}_kv_events_applied",
+            "KV event messages (snapshots and batches) from engines applied to the prefix index",
+            value=self.applied,
+        )
+        family = GaugeMetricFamily(
+            f"{PREFIX}_kv_events_connected",
+            "1 while the router follows the worker's KV events",
+            labels=["worker"],
+        )
+        for view in self.router.fleet.workers.values():
+            if view.kv_events:
+                family.add_metric([view.url], int(view.worker_id in self.connected))
+        yield family
 
     def prefilled(self, key: str, digests: list[int]) -> None:
         """That request's prompt is computed (its first token arrived) or it ended."""
@@ -129,7 +148,7 @@ class KVEventsFeed:
             for _, task in self.readers.values():
                 task.cancel()
 
-    # ----- one worker ------------------------------------------------------------------------------
+    # ----- one worker -----------------------------------------------------------------------------
     async def _follow(self, worker_id: int, spec: tuple) -> None:
         url, path, api_key, _ = spec
         backoff = 0.5
@@ -148,11 +167,10 @@ class KVEventsFeed:
             backoff = min(10.0, backoff * 2)
 
     async def _read(self, worker_id: int, url: str, api_key: str) -> None:
-        timeout = aiohttp.ClientTimeout(total=None, connect=5.0, sock_read=READ_TIMEOUT_S)
-        async with (
-            aiohttp.ClientSession(timeout=timeout) as session,
-            session.get(url, headers=auth_headers(api_key)) as response,
-        ):
+        timeout = http.timeout(connect=5.0, read=READ_TIMEOUT_S)
+        async with http.client.get().get(
+            url, headers=http.auth_headers(api_key), timeout=timeout
+        ) as response:
             if response.status != 200:
                 raise RuntimeError(f"{url} answered {response.status}")
             self.connected.add(worker_id)
@@ -169,12 +187,13 @@ class KVEventsFeed:
                             self.apply(worker_id, json.loads(line[len(b"data: ") :]))
 
     def apply(self, worker_id: int, message: dict) -> bool:
-        """Apply one message of a worker's stream to the index; False when it names no target here."""
+        """Apply one message of a worker's stream to the index; False when it names no target
+        here."""
         view = self.router.fleet.workers.get(worker_id)
         rank = message.get("rank")
         if view is None or not isinstance(rank, int):
             return False
-        key = f"{view.url}@{rank}"
+        key = target_key(view.url, rank)
         if not any(t.key == key for t in self.router.fleet.targets.get(worker_id, ())):
             return False
         index = self.router.index

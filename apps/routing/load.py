@@ -106,7 +106,8 @@ class RankLoad:
 
     def recent_tokens(self, now: float | None = None) -> float:
         """Prompt tokens dispatched here lately, decayed with a 3 s half-life: who has been
-        serving the sessions that are still active, which in-flight counts alone miss between turns."""
+        serving the sessions that are still active, which in-flight counts alone miss between
+        turns."""
         now = self.clock() if now is None else now
         return self._recent * self._decay(now)
 

@@ -118,50 +118,8 @@ class RouterCollector:
             family.add_metric([], hist.cumulative(), sum_value=hist.sum)
             yield family
         yield _policy_info(self.router)
-        sync = self.router.index_sync
-        if sync is not None:
-            yield CounterMetricFamily(
-                f"{PREFIX}_index_sync_published",
-                "Prefix-index inserts published to the other router processes",
-                value=sync.published,
-            )
-            yield CounterMetricFamily(
-                f"{PREFIX}_index_sync_applied",
-                "Prefix-index inserts received from the other router processes and applied here",
-                value=sync.applied,
-            )
-            yield CounterMetricFamily(
-                f"{PREFIX}_load_sync_published",
-                "Load snapshots published to the other router processes",
-                value=sync.load_published,
-            )
-            yield CounterMetricFamily(
-                f"{PREFIX}_load_sync_applied",
-                "Load snapshots received from the other router processes",
-                value=sync.load_applied,
-            )
-            yield GaugeMetricFamily(
-                f"{PREFIX}_peers",
-                "Other router processes whose load counts here",
-                value=len(sync.peer_seen),
-            )
-        feed = self.router.kv_feed
-        if feed is not None:
-            yield CounterMetricFamily(
-                f"{PREFIX}_kv_events_applied",
-                "KV event messages (snapshots and batches) "
-                "from engines applied to the prefix index",
-                value=feed.applied,
-            )
-            family = GaugeMetricFamily(
-                f"{PREFIX}_kv_events_connected",
-                "1 while the router follows the worker's KV events",
-                labels=["worker"],
-            )
-            for view in self.router.fleet.workers.values():
-                if view.kv_events:
-                    family.add_metric([view.url], int(view.worker_id in feed.connected))
-            yield family
+        for observer in self.router.observers:  # the shared index, the KV-event feed
+            yield from observer.metric_families()
         yield CounterMetricFamily(
             f"{PREFIX}_retries",
             "Upstream attempts retried on another target",

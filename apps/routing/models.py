@@ -3,7 +3,9 @@
 from django.conf import settings
 from django.db import models
 
-POLICY_CHOICES = [(name, name) for name in ("cache_aware", "round_robin", "random", "power_of_two")]
+from apps.routing.policies import POLICY_NAMES
+
+POLICY_CHOICES = [(name, name) for name in POLICY_NAMES]
 
 
 class RoutingSettings(models.Model):

@@ -17,28 +17,13 @@ from django.db import transaction
 from django.db.models import F
 
 from apps.replicas.models import Rank
-from apps.routing.stats import TargetStats
+from apps.routing.stats import PERSISTED_FIELDS, TargetStats
 
 logger = logging.getLogger(__name__)
-
-FIELDS = ("requests", "prompt_tokens", "cached_tokens", "predicted_tokens", "errors")
 
 
 def _targets_by_rank_id(router) -> dict[int, str]:
     return {t.rank_id: t.key for t in router.fleet.all_targets() if t.rank_id is not None}
-
-
-def counters(stats: TargetStats | None) -> dict[str, int]:
-    return {name: getattr(stats, name) if stats else 0 for name in FIELDS}
-
-
-def unpersisted(router, key: str) -> dict[str, int]:
-    """What this process counted for ``key`` that is not in the database yet."""
-    now, base = (
-        counters(router.stats.targets.get(key)),
-        router.persisted.get(key) or dict.fromkeys(FIELDS, 0),
-    )
-    return {name: now[name] - base[name] for name in FIELDS}
 
 
 async def restore_stats(router) -> None:
@@ -46,9 +31,11 @@ async def restore_stats(router) -> None:
     keys = _targets_by_rank_id(router)
     async for row in Rank.objects.filter(id__in=list(keys)):
         stats = router.stats.targets.setdefault(keys[row.id], TargetStats())
-        for name in FIELDS:
+        for name in PERSISTED_FIELDS:
             setattr(stats, name, getattr(stats, name) + getattr(row, name))
-        router.persisted[keys[row.id]] = {name: getattr(row, name) for name in FIELDS}
+        router.stats.persisted[keys[row.id]] = {
+            name: getattr(row, name) for name in PERSISTED_FIELDS
+        }
 
 
 def _write(rows: dict[int, tuple[dict, str]]) -> None:
@@ -65,13 +52,12 @@ async def persist_stats(router) -> None:
     for target in router.fleet.all_targets():
         if target.rank_id is None:
             continue
-        rows[target.rank_id] = (unpersisted(router, target.key), target.breaker.state)
-        snapshots[target.key] = counters(router.stats.targets.get(target.key))
+        rows[target.rank_id] = (router.stats.unwritten(target.key), target.breaker.state)
+        snapshots[target.key] = router.stats.counters(target.key)
     if rows:
         await sync_to_async(_write)(rows)
-        router.persisted.update(
-            snapshots
-        )  # only once written: a failed write is retried next round
+        # only once written: a failed write is retried next round
+        router.stats.persisted.update(snapshots)
 
 
 async def stats_loop(router) -> None:

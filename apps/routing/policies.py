@@ -9,9 +9,11 @@ from __future__ import annotations
 import abc
 import itertools
 import random
+from typing import TYPE_CHECKING
 
-from apps.replicas.fleet import Target
-from apps.routing.digests import RequestShape
+if TYPE_CHECKING:  # annotations only: the registry below is read by models and argparse
+    from apps.routing.fleet import Target
+    from apps.routing.request_shape import RequestShape
 
 
 class Policy(abc.ABC):
@@ -79,9 +81,10 @@ class CacheAware(Policy):
     above the candidates' mean t's load is: the mean of its relative requests in flight (now) and
     its relative active sessions (``RankLoad.active_sessions``: turns that continued a session
     there and chat requests that started one, decayed over 30 s — the load that will keep coming
-    back; one-shot completions never count, so a finished burst of them leaves no trace). It is what makes a shared prefix worth replicating to an idle target before any
-    queue forms there, and it steers new sessions to where active sessions are fewest. It is scaled
-    by ``pressure`` (requests in flight per target, capped at 1): an idle fleet has nothing to
+    back; one-shot completions never count, so a finished burst of them leaves no trace). It is
+    what makes a shared prefix worth replicating to an idle target before any queue forms there,
+    and it steers new sessions to where active sessions are fewest. It is scaled by
+    ``pressure`` (requests in flight per target, capped at 1): an idle fleet has nothing to
     balance, so affinity alone decides there. It is bounded (at most ``balance_weight`` x
     (targets - 1) tokens), so it never outweighs a large cached prefix: there is no global switch
     that turns affinity off for the whole fleet.
@@ -129,7 +132,7 @@ class CacheAware(Policy):
         # decides where sessions start; a session with private history moves only for a real queue.
         pressure = min(1.0, sum(inflight) / len(targets)) if best_match <= shared else 0.0
         out = []
-        for t, hit, n, live in zip(targets, hits, inflight, sessions):
+        for t, hit, n, live in zip(targets, hits, inflight, sessions, strict=True):
             stranded = max(0, best_match - max(hit, shared))
             # now (requests in flight) and the near future (sessions that keep coming back here)
             excess = (
@@ -156,7 +159,7 @@ class CacheAware(Policy):
         # A request with no private history anywhere starts a session: where it lands is where its
         # later turns go, so among targets nearly as cheap now, the least loaded lately wins.
         slack = self.slack if private else self.new_session_slack
-        near = [t for c, t in zip(costs, targets) if c <= best + slack]
+        near = [t for c, t in zip(costs, targets, strict=True) if c <= best + slack]
         return min(
             near,
             key=lambda t: (
@@ -167,10 +170,13 @@ class CacheAware(Policy):
         )
 
 
-POLICIES = {cls.name: cls for cls in (RoundRobin, Random, PowerOfTwo, CacheAware)}
+# The one list of policy names: argparse choices, the RoutingSettings model's choices and the
+# settings' validation are derived from it.
+POLICIES = {cls.name: cls for cls in (CacheAware, RoundRobin, Random, PowerOfTwo)}
+POLICY_NAMES = tuple(POLICIES)  # the default first
 
 
 def make_policy(name: str, **kwargs) -> Policy:
     if name not in POLICIES:
-        raise ValueError(f"unknown policy {name!r}; choose one of {sorted(POLICIES)}")
-    return POLICIES[name](**kwargs) if name == "cache_aware" else POLICIES[name]()
+        raise ValueError(f"unknown policy {name!r}; choose one of {list(POLICY_NAMES)}")
+    return POLICIES[name](**kwargs)

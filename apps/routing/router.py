@@ -1,23 +1,29 @@
 """The router's state and its one decision: which target serves this request.
 
-One ``Router`` per process, created by ``runrouter`` / ``serve`` (``configure``) or lazily with
-the settings' defaults; tests build their own and install it with ``set_router``.
+One ``Router`` per router process, built by the process start (apps/routing/process.py) and
+handed to what needs it: the ASGI app puts it in each request's scope (controlplane/asgi.py), the
+background loops are given it. Tests build their own.
+
+It is also the process's ``FleetRuntime`` (apps/replicas/runtime.py): the replicas app's services
+tell it when the record of who serves changes (``worker_saved`` ...), and it installs that in its
+fleet and index.
 """
 
 from __future__ import annotations
 
 import logging
 import random
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
 
-from apps.replicas.fleet import Fleet, Target
-from apps.routing.digests import RequestShape, shape_request
+from apps.replicas.runtime import SCOPE_KEY, runtime_of
+from apps.routing.dispatch import Dispatch, DispatchObserver
+from apps.routing.fleet import Fleet, Target, view_of
 from apps.routing.index import PrefixIndex
-from apps.routing.load import LoadTicket
-from apps.routing.policies import Policy, make_policy
+from apps.routing.policies import POLICIES, Policy, make_policy
+from apps.routing.request_shape import RequestShape, shape_request
 from apps.routing.stats import RouterStats
 
 logger = logging.getLogger(__name__)
@@ -48,6 +54,7 @@ class RouterConfig:
 
     @classmethod
     def from_settings(cls, **overrides) -> RouterConfig:
+        """The settings' ``CONTROL_PLANE`` values, then each override that is not None."""
         cp = settings.CONTROL_PLANE
         base = cls(
             policy=cp.get("POLICY", "cache_aware"),
@@ -60,22 +67,37 @@ class RouterConfig:
         for key, value in overrides.items():
             if value is not None:
                 setattr(base, key, value)
+        if base.policy not in POLICIES:
+            raise ImproperlyConfigured(
+                f"unknown routing policy {base.policy!r} (CONTROL_PLANE_POLICY or --policy); "
+                f"choose one of {', '.join(sorted(POLICIES))}"
+            )
         return base
 
+    @classmethod
+    def from_options(cls, opts: dict) -> RouterConfig:
+        """From ``runrouter``'s options (apps/routing/process.py ``add_router_arguments``)."""
+        return cls.from_settings(
+            dp_aware=bool(opts.get("dp_aware")),
+            **{field: opts.get(option) for option, field in OPTION_FIELDS.items()},
+        )
 
-@dataclass
-class Routed:
-    """A dispatched request: where it went, what the index predicted, and its load ticket."""
 
-    target: Target
-    shape: RequestShape
-    predicted_tokens: int
-    ticket: LoadTicket
-    finished: bool = field(default=False)
-    started: float = field(default_factory=time.perf_counter)
-    first_token_seen: bool = field(default=False)
-    trial: bool = field(default=False)  # the half-open circuit's one trial request
-    prefilled: bool = field(default=False)  # its first token arrived, or it ended
+# runrouter option -> RouterConfig field, where the names differ (the flags are SGLang's)
+OPTION_FIELDS = {
+    "policy": "policy",
+    "tokenizer_path": "tokenizer_path",
+    "cache_threshold": "cache_threshold",
+    "balance_abs_threshold": "balance_abs_threshold",
+    "balance_rel_threshold": "balance_rel_threshold",
+    "decode_weight": "decode_weight",
+    "health_check_interval_secs": "health_check_interval_s",
+    "health_failure_threshold": "health_failure_threshold",
+    "health_success_threshold": "health_success_threshold",
+    "request_timeout_secs": "request_timeout_s",
+    "max_retries": "max_retries",
+    "prefix_ttl_secs": "prefix_ttl_s",
+}
 
 
 class Router:
@@ -86,30 +108,13 @@ class Router:
         self.index = PrefixIndex(ttl_s=self.config.prefix_ttl_s)
         self.stats = RouterStats()
         self.policy: Policy = self._make_policy(self.config.policy)
-        self.db_fingerprints: dict[
-            int, tuple
-        ] = {}  # worker id -> what was installed (background.sync_fleet)
-        self.index_listeners: list = []  # called with (target key, digests) after each routed insert
-        self.index_sync = (
-            None  # apps.routing.shared_index.IndexSync when several processes share (REDIS_URL)
-        )
-        self.kv_feed = (
-            None  # apps.routing.kv_events.KVEventsFeed: engines' KV events into the index
-        )
-        self.background_tasks: list = []  # the process's loops (apps/replicas/serving.py startup)
-        self.persisted: dict[
-            str, dict[str, int]
-        ] = {}  # target key -> counters in the database (persist.py)
-        # True from process start until startup() has restored the fleet, added the given workers and
-        # adopted the recorded policy (apps/replicas/serving.py): /health answers 503 meanwhile
-        self.starting = False
+        # told of every decision and prefill end (apps/routing/shared_index.py, kv_events.py)
+        self.observers: list[DispatchObserver] = []
 
     def _make_policy(self, name: str) -> Policy:
         if name == "cache_aware":
             return make_policy(name, rng=self.rng, decode_weight=self.config.decode_weight)
-        policy = make_policy(name)
-        policy.rng = self.rng
-        return policy
+        return make_policy(name, rng=self.rng)
 
     def set_policy(self, name: str) -> None:
         """Switch the policy for the next requests (the index keeps learning either way)."""
@@ -118,18 +123,21 @@ class Router:
         logger.info("routing policy is now %s", name)
 
     def sync_capacity(self) -> None:
+        """Bound each target's index by its engine's KV capacity (after targets were put)."""
         for target in self.fleet.all_targets():
             self.index.set_capacity(target.key, target.worker.capacity_blocks)
 
     def route(
         self, body: dict, chat: bool, model: str | None, exclude: set[str] = frozenset()
-    ) -> Routed:
-        """Choose a target and commit: begin its load, and insert the request's blocks into the
-        index for it (the engine caches them as it prefills)."""
+    ) -> Dispatch:
+        """Choose a target and commit: begin its load, insert the request's blocks into the index
+        for it (the engine caches them as it prefills), tell the observers. The returned dispatch
+        owns the request's end."""
         candidates = [t for t in self.fleet.candidates(model) if t.key not in exclude]
         if not candidates and model and len(self.fleet.models()) == 1:
             candidates = [t for t in self.fleet.candidates(None) if t.key not in exclude]
         if not candidates:
+            self.stats.no_target += 1
             raise NoTarget(
                 f"no available worker serves model {model!r}" if model else "no available worker"
             )
@@ -154,10 +162,18 @@ class Router:
             shape.prompt_tokens, shape.prompt_tokens - predicted, continues or chat
         )
         self.index.insert(target.key, shape.digests)
-        for listener in self.index_listeners:
-            listener(target.key, shape.digests)
+        for observer in self.observers:
+            observer.routed(target.key, shape.digests)
         self.stats.dispatched(target.key, shape.prompt_tokens, predicted)
-        return Routed(target, shape, predicted, ticket, trial=target.breaker.dispatched())
+        return Dispatch(
+            target,
+            shape,
+            predicted,
+            ticket,
+            trial=target.breaker.dispatched(),
+            stats=self.stats,
+            observers=self.observers,
+        )
 
     def _match(self, body: dict, chat: bool, candidates: list[Target]):
         """The request's shape for each candidate (workers may differ in tokenizer or block size:
@@ -189,57 +205,66 @@ class Router:
             worker.block_size or (16 if self.config.tokenizer_path else None),
         )
 
-    def _prefilled(self, routed: Routed) -> None:
-        """The engine has computed (or given up on) the request's prompt: tell the KV-event
-        feed, which keeps blocks routed there but not yet stored from being evicted in the index."""
-        if not routed.prefilled:
-            routed.prefilled = True
-            if self.kv_feed is not None:
-                self.kv_feed.prefilled(routed.target.key, routed.shape.digests)
+    # ----- the FleetRuntime the replicas app's services tell (apps/replicas/runtime.py) ----------
+    @property
+    def dp_aware(self) -> bool:
+        return self.config.dp_aware
 
-    def first_token(self, routed: Routed) -> None:
-        self._prefilled(routed)
-        routed.target.load.first_token(routed.ticket)
-        if not routed.first_token_seen:
-            routed.first_token_seen = True
-            self.stats.ttft.observe(time.perf_counter() - routed.started)
-
-    def finish(
-        self, routed: Routed, *, ok: bool, usage: dict | None = None, aborted: bool = False
-    ) -> None:
-        """End the request's load (idempotent) and record what the engine reported; ``aborted``:
-        the client left first (counted apart from the target's errors)."""
-        if routed.finished:
+    def worker_saved(self, worker, rank_ids: dict[int | None, int]) -> None:
+        """Serve a discovered worker's targets (a worker not discovered yet waits for the health
+        loop). Targets that survive keep their load and breaker; an engine that restarted (its
+        instance id changed) has empty caches, so the index forgets what it believed there."""
+        if not worker.server_info:
             return
-        routed.finished = True
-        self._prefilled(routed)
-        routed.target.load.end(routed.ticket)
-        self.stats.latency.observe(time.perf_counter() - routed.started)
-        if ok:
-            routed.target.breaker.record_success()
-        if routed.trial:
-            routed.target.breaker.trial_done()
-        cached = None
-        if usage:
-            details = usage.get("prompt_tokens_details") or {}
-            cached = details.get("cached_tokens")
-        self.stats.finished(
-            routed.target.key, ok=ok, cached_tokens=cached, aborted=aborted and not ok
+        old = self.fleet.workers.get(worker.id)
+        before = {t.key for t in self.fleet.targets.get(worker.id, [])}
+        view = view_of(worker, self.config.tokenizer_path)
+        restarted = (
+            old is not None and old.instance_id is not None and view.instance_id != old.instance_id
         )
+        targets = self.fleet.put(view, rank_ids)
+        # emptied (restarted), or gone (dp_size or dp-awareness changed)
+        stale = before if restarted else before - {t.key for t in targets}
+        for key in stale:
+            self.index.remove_rank(key)
+        if restarted:
+            logger.info("worker %s restarted: forgetting what its ranks had cached", worker.url)
+        for target in targets:
+            self.index.set_capacity(target.key, target.worker.capacity_blocks)
+
+    def worker_removed(self, worker_id: int) -> None:
+        for target in self.fleet.targets.get(worker_id, []):
+            self.index.remove_rank(target.key)
+        self.fleet.remove(worker_id)
+
+    def worker_draining(self, worker_id: int, draining: bool) -> None:
+        view = self.fleet.workers.get(worker_id)
+        if view is not None:
+            view.draining = draining
+
+    def worker_live(self, worker_id: int) -> dict | None:
+        view = self.fleet.workers.get(worker_id)
+        if view is None:
+            return None
+        targets = [
+            {
+                "key": t.key,
+                "rank": t.rank,
+                "circuit": t.breaker.state,
+                "inflight_requests": t.load.requests,
+                "inflight_prompt_tokens": t.load.prompt_tokens,
+            }
+            for t in self.fleet.targets.get(worker_id, [])
+        ]
+        return {"health": "healthy" if view.healthy else "unhealthy", "targets": targets}
 
 
-_router: Router | None = None
-
-
-def get_router() -> Router:
-    global _router
-    if _router is None:
-        _router = Router()
-    return _router
-
-
-def set_router(router: Router | None) -> Router | None:
-    """Install ``router`` as the process's router (tests, management commands)."""
-    global _router
-    _router = router
+def router_of(request_or_scope) -> Router:
+    """The router serving a Django request (or in a Channels scope): the process put it there
+    (controlplane/asgi.py)."""
+    if isinstance(request_or_scope, dict):
+        return request_or_scope[SCOPE_KEY]
+    router = runtime_of(request_or_scope)
+    if router is None:
+        raise RuntimeError("this request was not served by a router process (no router in scope)")
     return router

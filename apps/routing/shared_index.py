@@ -27,6 +27,11 @@ import time
 import uuid
 from collections import deque
 
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from apps.routing.dispatch import DispatchObserver
+from apps.routing.metrics import PREFIX
+
 logger = logging.getLogger(__name__)
 
 CHANNEL = "dpmesh:index"
@@ -37,7 +42,7 @@ LOAD_HEARTBEAT_S = 1.0  # an unchanged one is published again this often
 LOAD_TTL_S = 3.0  # a peer's snapshot older than this no longer counts
 
 
-class IndexSync:
+class IndexSync(DispatchObserver):
     def __init__(self, router, redis_url: str, channel: str = CHANNEL):
         self.router, self.redis_url, self.channel = router, redis_url, channel
         self.origin = uuid.uuid4().hex  # this process: its own messages are skipped
@@ -49,15 +54,34 @@ class IndexSync:
             str, float
         ] = {}  # other process -> when its last load snapshot arrived
 
-    # ----- the hot path's side: never awaits -------------------------------------------------------
-    def on_insert(self, key: str, digests: list[int]) -> None:
+    # ----- the hot path's side: never awaits ------------------------------------------------------
+    def routed(self, key: str, digests: list[int]) -> None:
         if digests:
             self.pending.append((key, digests))
             self.wakeup.set()
 
-    # ----- background tasks ------------------------------------------------------------------------
+    def metric_families(self):
+        counters = [
+            ("index_sync_published", "Prefix-index inserts published to the other router "
+             "processes", self.published),
+            ("index_sync_applied", "Prefix-index inserts received from the other router "
+             "processes and applied here", self.applied),
+            ("load_sync_published", "Load snapshots published to the other router processes",
+             self.load_published),
+            ("load_sync_applied", "Load snapshots received from the other router processes",
+             self.load_applied),
+        ]  # fmt: skip
+        for name, help_text, value in counters:
+            yield CounterMetricFamily(f"{PREFIX}_{name}", help_text, value=value)
+        yield GaugeMetricFamily(
+            f"{PREFIX}_peers",
+            "Other router processes whose load counts here",
+            value=len(self.peer_seen),
+        )
+
+    # ----- background tasks -----------------------------------------------------------------------
     def start(self) -> list[asyncio.Task]:
-        self.router.index_listeners.append(self.on_insert)
+        self.router.observers.append(self)
         return [
             asyncio.ensure_future(self._publish_loop()),
             asyncio.ensure_future(self._subscribe_loop()),
@@ -87,7 +111,8 @@ class IndexSync:
                     await asyncio.sleep(1.0)
 
     def load_snapshot(self) -> dict[str, list]:
-        """This process's own load per target, where there is any (peers' load is never re-published)."""
+        """This process's own load per target, where there is any (peers' load is never
+        re-published)."""
         now = time.monotonic()
         out = {}
         for t in self.router.fleet.all_targets():

@@ -58,16 +58,24 @@ class Histogram:
     def cumulative(self) -> list[tuple[str, int]]:
         """[(le, count <= le)], ending with +Inf, as Prometheus exposes buckets."""
         out, running = [], 0
-        for bound, n in zip(self.buckets, self.counts):
+        for bound, n in zip(self.buckets, self.counts, strict=True):
             running += n
             out.append((repr(bound), running))
         out.append(("+Inf", self.count))
         return out
 
 
+PERSISTED_FIELDS = ("requests", "prompt_tokens", "cached_tokens", "predicted_tokens", "errors")
+
+
 class RouterStats:
+    """This process's routing counters. The per-target ones are also written to the Rank rows
+    (apps/routing/persist.py) as increments; ``persisted`` is what has been written so far, so
+    ``unwritten`` is this process's part that the rows do not have yet."""
+
     def __init__(self):
         self.targets: dict[str, TargetStats] = {}
+        self.persisted: dict[str, dict[str, int]] = {}  # target key -> counters in the database
         self.retries = 0
         self.no_target = 0
         self.responses: dict[tuple[str, int], int] = {}  # (endpoint, HTTP status) -> answers sent
@@ -104,6 +112,18 @@ class RouterStats:
         if isinstance(cached_tokens, int):
             s.reported += 1
             s.cached_tokens += cached_tokens
+
+    def counters(self, key: str) -> dict[str, int]:
+        """The persisted counters of ``key`` as this process has them now."""
+        stats = self.targets.get(key)
+        return {name: getattr(stats, name) if stats else 0 for name in PERSISTED_FIELDS}
+
+    def unwritten(self, key: str) -> dict[str, int]:
+        """What this process counted for ``key`` that is not in the database yet."""
+        now, base = self.counters(key), self.persisted.get(key)
+        if base is None:
+            return now
+        return {name: now[name] - base[name] for name in PERSISTED_FIELDS}
 
     def snapshot(self) -> dict[str, dict]:
         return {key: s.as_dict() for key, s in self.targets.items()}

@@ -5,7 +5,7 @@ With ``REDIS_URL`` set, run a worker and beat next to the router(s):
     celery -A controlplane worker --beat --loglevel INFO
 
 Beat's schedule (``controlplane/celery.py``) comes from the CONTROL_PLANE intervals. Without
-``REDIS_URL`` the router process runs the same jobs itself (``apps/routing/background.py``).
+``REDIS_URL`` the router process runs the same jobs itself (``jobs.embedded_jobs_loop``).
 """
 
 from celery import shared_task

@@ -1,5 +1,5 @@
 """The router's read-only endpoints. The proxy itself (/v1/completions, /v1/chat/completions)
-is a plain ASGI app in front of Django: apps/routing/fastpath.py.
+is a plain ASGI app in front of Django: apps/routing/endpoint.py.
 
 ``/v1/models`` needs an API key when some are configured (apps/replicas/auth.py); ``/health`` and
 ``/metrics`` are always open."""
@@ -10,21 +10,21 @@ from django.http import HttpResponse, JsonResponse
 
 from apps.replicas.auth import api_key_allowed, invalid_api_key_response
 from apps.routing.metrics import render_metrics
-from apps.routing.router import get_router
+from apps.routing.router import router_of
 
 
 async def models(request):
     if not api_key_allowed(request.headers.get("Authorization")):
         return invalid_api_key_response()
-    router = get_router()
+    router = router_of(request)
     data = [{"id": name, "object": "model", "owned_by": "dpmesh"} for name in router.fleet.models()]
     return JsonResponse({"object": "list", "data": data})
 
 
 async def health(request):
-    router = get_router()
+    router = router_of(request)
     available = [t.key for t in router.fleet.candidates(None)]
-    if router.starting:  # not yet the fleet and policy it will serve with
+    if router.fleet.loading:  # not yet the fleet and policy it will serve with
         return JsonResponse({"status": "starting", "targets": available}, status=503)
     status = 200 if available else 503
     return JsonResponse(
@@ -34,5 +34,5 @@ async def health(request):
 
 async def metrics(request):
     return HttpResponse(
-        render_metrics(get_router()), content_type="text/plain; version=0.0.4; charset=utf-8"
+        render_metrics(router_of(request)), content_type="text/plain; version=0.0.4; charset=utf-8"
     )

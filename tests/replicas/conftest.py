@@ -1,27 +1,27 @@
-"""A fresh dp-aware router installed as the process's router for one test, restored afterwards,
-in a sync flavour (the Django test client, the admin through async_to_sync) and an async one."""
+"""A fresh dp-aware router for one test, as a router process would hand it to its requests: the
+Django test clients carry it (``admin_client``, ``client``), services are given it as their
+runtime. A sync flavour (the Django test client, the admin through async_to_sync) and an async
+one."""
 
 import pytest
 
-from apps.routing import router as router_module
-from apps.routing.proxy import proxy_client, upstream
-from apps.routing.router import Router, RouterConfig, set_router
+from apps.replicas.runtime import SCOPE_KEY
+from apps.routing.router import Router, RouterConfig
+from controlplane import http
 
 
 @pytest.fixture
 def router():
-    saved = router_module._router
-    fresh = set_router(Router(RouterConfig(dp_aware=True)))
-    yield fresh
-    set_router(saved)
-    upstream.client = upstream.loop = None  # bound to a loop async_to_sync has closed
+    return Router(RouterConfig(dp_aware=True))
+
+
+@pytest.fixture
+def admin_client(admin_client, router):
+    admin_client.defaults[SCOPE_KEY] = router  # a WSGI request's environ, as the ASGI scope
+    return admin_client
 
 
 @pytest.fixture
 async def arouter():
-    saved = router_module._router
-    fresh = set_router(Router(RouterConfig(dp_aware=True)))
-    yield fresh
-    set_router(saved)
-    await upstream.aclose()  # bound to this test's event loop
-    await proxy_client.aclose()
+    yield Router(RouterConfig(dp_aware=True))
+    await http.client.aclose()  # bound to this test's event loop

@@ -13,7 +13,7 @@ from django.test import Client
 
 from apps.replicas.auth import bearer_token, configured_keys, key_matches
 from apps.replicas.models import Worker
-from controlplane.asgi import application
+from controlplane.asgi import build_application
 from tests.support.procs import free_port, start
 
 ADMIN_KEYS = "admin-one, admin-two"
@@ -69,7 +69,7 @@ def assert_refused(r, status: int) -> None:
         assert r.headers["WWW-Authenticate"] == "Bearer"
 
 
-# ----- the settings' parsing and the comparison -----------------------------------------------------------
+# ----- the settings' parsing and the comparison ---------------------------------------------------
 def test_configured_keys_split_strip_and_drop_empties(settings):
     settings.CONTROL_PLANE = {**settings.CONTROL_PLANE, "API_KEYS": " k1, ,k2 ,,", "ADMIN_KEYS": ""}
     assert configured_keys("API_KEYS") == ["k1", "k2"]
@@ -87,7 +87,7 @@ def test_bearer_token_and_matching():
     assert not key_matches(None, ["k1"]) and not key_matches(b"", [])
 
 
-# ----- the workers API -------------------------------------------------------------------------------------
+# ----- the workers API ----------------------------------------------------------------------------
 @pytest.mark.django_db
 @pytest.mark.parametrize(
     "index",
@@ -148,9 +148,8 @@ def staff_client(username: str, *, staff: bool = True) -> Client:
 
 
 def csrf_token(client: Client) -> str:
-    assert (
-        client.get("/admin/").status_code == 200
-    )  # renders a form with {% csrf_token %}: sets the cookie
+    # renders a form with {% csrf_token %}: sets the cookie
+    assert client.get("/admin/").status_code == 200
     return client.cookies["csrftoken"].value
 
 
@@ -197,14 +196,15 @@ def test_non_staff_user_is_403(router, admin_keys):
         assert "staff" in r.json()["error"]["message"]
 
 
-# ----- the OpenAI endpoints ------------------------------------------------------------------------------
+# ----- the OpenAI endpoints -----------------------------------------------------------------------
 async def asgi(
-    method: str, path: str, key: str | None = None, body: dict | None = None
+    router, method: str, path: str, key: str | None = None, body: dict | None = None
 ) -> httpx.Response:
     """Through the project's real ASGI application (the proxy paths are served before Django)."""
     headers = {"Authorization": f"Bearer {key}"} if key else {}
+    transport = httpx.ASGITransport(app=build_application(router))
     async with httpx.AsyncClient(
-        transport=httpx.ASGITransport(app=application), base_url="http://testserver", timeout=30
+        transport=transport, base_url="http://testserver", timeout=30
     ) as client:
         return await client.request(method, path, headers=headers, json=body)
 
@@ -226,22 +226,20 @@ async def test_openai_endpoints_need_an_api_key_when_configured(
 ):
     keys_setting(settings, api=API_KEYS)
     for key in (None, "wrong", "k1,k2", "admin-one"):
-        r = await asgi(method, path, key, body)
+        r = await asgi(arouter, method, path, key, body)
         assert r.status_code == 401, (key, r.text)
         assert r.json() == INVALID_API_KEY
     for key in ("k1", "k2"):
-        r = await asgi(method, path, key, body)
-        assert r.status_code == (200 if method == "GET" else 503), (
-            r.text
-        )  # past auth: no worker to route to
+        r = await asgi(arouter, method, path, key, body)
+        # past auth: no worker to route to
+        assert r.status_code == (200 if method == "GET" else 503), r.text
         if method == "POST":
             assert r.json()["error"]["message"] == "no available worker"
-    assert arouter.stats.no_target == (
-        2 if method == "POST" else 0
-    )  # refused requests were never routed
+    # refused requests were never routed
+    assert arouter.stats.no_target == (2 if method == "POST" else 0)
     if method == "POST":  # every answer of the proxy paths is counted by status for /metrics
         assert arouter.stats.responses == {(path, 401): 4, (path, 503): 2}
-        text = (await asgi("GET", "/metrics")).text
+        text = (await asgi(arouter, "GET", "/metrics")).text
         assert f'dpmesh_router_http_responses_total{{endpoint="{path}",status="401"}} 4.0' in text
 
 
@@ -271,25 +269,27 @@ async def test_api_key_is_checked_before_the_body_is_read(arouter, settings):
         "client": ("127.0.0.1", 50000),
         "server": ("testserver", 80),
     }
-    await application(scope, receive, collect)
+    await build_application(arouter)(scope, receive, collect)
     assert sent[0]["status"] == 401 and json.loads(sent[1]["body"]) == INVALID_API_KEY
 
 
 async def test_without_api_keys_the_openai_endpoints_are_open(arouter, settings):
     keys_setting(settings)
-    assert (await asgi("GET", "/v1/models")).json() == {"object": "list", "data": []}
-    assert (await asgi("POST", "/v1/completions", body={"prompt": "x"})).status_code == 503
-    assert (await asgi("POST", "/v1/completions", "anything", {"prompt": "x"})).status_code == 503
+    assert (await asgi(arouter, "GET", "/v1/models")).json() == {"object": "list", "data": []}
+    assert (await asgi(arouter, "POST", "/v1/completions", body={"prompt": "x"})).status_code == 503
+    assert (
+        await asgi(arouter, "POST", "/v1/completions", "anything", {"prompt": "x"})
+    ).status_code == 503
 
 
 async def test_health_and_metrics_stay_open(arouter, settings):
     keys_setting(settings, admin=ADMIN_KEYS, api=API_KEYS)
-    assert (await asgi("GET", "/health")).status_code == 503  # no workers, but not 401
-    r = await asgi("GET", "/metrics")
+    assert (await asgi(arouter, "GET", "/health")).status_code == 503  # no workers, but not 401
+    r = await asgi(arouter, "GET", "/metrics")
     assert r.status_code == 200 and "dpmesh_router" in r.text
 
 
-# ----- a real router, configured by its flags ---------------------------------------------------------------
+# ----- a real router, configured by its flags -----------------------------------------------------
 @pytest.mark.slow
 def test_runrouter_flags_configure_the_keys(tmp_path):
     port = free_port()

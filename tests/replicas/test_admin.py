@@ -14,7 +14,6 @@ from django.contrib.admin.models import LogEntry
 
 from apps.replicas.models import Rank, Worker, WorkerEvent
 from apps.routing.models import RoutingSettings
-from apps.routing.router import get_router
 from tests.support.procs import REPO_ROOT, free_port, start, start_engine
 from tests.support.standin import StandIn
 
@@ -81,7 +80,7 @@ def test_add_runs_discovery_and_installs_the_targets(admin_client, engine, route
     assert [(e.kind, e.detail) for e in worker.events.all()] == [
         ("discovered", "model tiny, dp_size 2")
     ]
-    assert keys(get_router()) == [f"{engine.url}@0", f"{engine.url}@1"]
+    assert keys(router) == [f"{engine.url}@0", f"{engine.url}@1"]
     assert [t.rank_id for t in router.fleet.targets[worker.id]] == [
         r.id for r in worker.ranks.all()
     ]
@@ -94,9 +93,8 @@ def test_add_runs_discovery_and_installs_the_targets(admin_client, engine, route
         prompt_tokens=200, predicted_tokens=100, cached_tokens=150
     )
     html = admin_client.get(f"{CHANGELIST}{worker.id}/change/").content.decode()
-    assert (
-        "<pre>" in html and "&quot;dp_size&quot;: 2" in html
-    )  # server_info, pretty-printed, read-only
+    # server_info, pretty-printed, read-only
+    assert "<pre>" in html and "&quot;dp_size&quot;: 2" in html
     assert 'name="server_info"' not in html and 'name="url"' not in html
     assert 'value="engine-secret"' not in html  # the key is not rendered back
     assert "50.0%" in html and "75.0%" in html  # rank 0's router-predicted and engine hit rates
@@ -147,9 +145,8 @@ def test_drain_and_undrain_actions_reach_the_router(admin_client, engine, router
     worker.refresh_from_db()
     assert worker.draining and router.fleet.workers[worker.id].draining
     assert not any(t.available for t in router.fleet.all_targets())
-    assert (
-        run_action(admin_client, "drain_selected", worker).status_code == 302
-    )  # already draining: no event
+    # already draining: no event
+    assert run_action(admin_client, "drain_selected", worker).status_code == 302
     assert run_action(admin_client, "undrain_selected", worker).status_code == 302
     worker.refresh_from_db()
     assert not worker.draining and not router.fleet.workers[worker.id].draining
@@ -188,10 +185,8 @@ def test_change_form_drains_and_keeps_a_blank_key(admin_client, engine, router):
         and router.fleet.workers[worker.id].api_key == "engine-secret"
     )
 
-    data |= {
-        "dp_aware": "",
-        "draining": "",
-    }  # dp-unaware: one target for the whole worker, rediscovered
+    # dp-unaware: one target for the whole worker, rediscovered
+    data |= {"dp_aware": "", "draining": ""}
     assert admin_client.post(f"{CHANGELIST}{worker.id}/change/", data).status_code == 302
     worker.refresh_from_db()
     assert (worker.dp_aware, worker.draining, worker.dp_size) == (False, False, 2)
@@ -237,18 +232,18 @@ def test_policy_change_applies_to_the_router(admin_client, admin_user, router):
     assert r.status_code == 302, r.content.decode()[-3000:]
     row = RoutingSettings.objects.get()
     assert (row.policy, row.updated_by) == ("round_robin", admin_user.username)
-    assert get_router().policy.name == "round_robin" and router.config.policy == "round_robin"
+    assert router.policy.name == "round_robin" and router.config.policy == "round_robin"
     assert admin_client.get("/admin/routing/routingsettings/add/").status_code == 403  # one row
 
     r = admin_client.post(
         f"/admin/routing/routingsettings/{row.id}/change/", {"policy": "power_of_two"}
     )
     assert r.status_code == 302
-    assert get_router().policy.name == "power_of_two"
+    assert router.policy.name == "power_of_two"
     r = admin_client.post(
         f"/admin/routing/routingsettings/{row.id}/change/", {"policy": "nonsense"}
     )
-    assert r.status_code == 200 and get_router().policy.name == "power_of_two"
+    assert r.status_code == 200 and router.policy.name == "power_of_two"
 
 
 @pytest.mark.django_db
@@ -268,7 +263,7 @@ def test_bench_runs_are_listed_read_only(admin_client):
     assert 'name="status"' not in page and "sharegpt" in page
 
 
-# ----- the admin in a real router process (daphne: the admin's thread, the router's event loop) ----------
+# ----- the admin in a real router process (daphne: the admin's thread, the router's event loop) ---
 def login(http, username: str, password: str) -> None:
     page = http.get("/admin/login/")
     r = http.post(

@@ -3,12 +3,12 @@ draining/undrained by the drain service, healthy/unhealthy by the health loop's 
 
 import pytest
 
-from apps.replicas.discovery import view_of
-from apps.replicas.health import check_worker
 from apps.replicas.models import Worker, WorkerEvent
 from apps.replicas.services import save_worker, worker_set_draining
-from apps.routing.proxy import upstream
+from apps.routing.fleet import view_of
+from apps.routing.health import check_worker
 from apps.routing.router import Router, RouterConfig
+from controlplane import http
 from tests.support.standin import StandIn
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -28,20 +28,17 @@ def kinds(worker_id: int) -> list[tuple[str, str]]:
 
 
 def test_discovered_once_then_changed_only_when_dp_size_or_model_change():
-    worker, _ = save_worker(
-        url=URL, api_key="", dp_aware=True, info=None
-    )  # recorded, not discovered yet
+    # recorded, not discovered yet
+    worker, _ = save_worker(url=URL, api_key="", dp_aware=True, info=None)
     assert kinds(worker.id) == []
     save_worker(url=URL, api_key="", dp_aware=True, info=info(2))
     save_worker(url=URL, api_key="", dp_aware=True, info=info(2))  # a refresh that finds the same
-    save_worker(
-        url=URL, api_key="", dp_aware=False, info=info(2)
-    )  # dp-awareness is ours, not the engine's
+    # dp-awareness is ours, not the engine's
+    save_worker(url=URL, api_key="", dp_aware=False, info=info(2))
     save_worker(url=URL, api_key="", dp_aware=True, info=info(4))
     save_worker(url=URL, api_key="", dp_aware=True, info=info(4, "other"))
-    save_worker(
-        url=URL, api_key="", dp_aware=True, info=None
-    )  # unreachable on refresh: nothing learned
+    # unreachable on refresh: nothing learned
+    save_worker(url=URL, api_key="", dp_aware=True, info=None)
     assert kinds(worker.id) == [
         ("discovered", "model tiny, dp_size 2"),
         ("changed", "dp_size 2 -> 4"),
@@ -53,7 +50,7 @@ async def test_draining_and_undrained_are_recorded_on_change_only():
     worker = await Worker.objects.acreate(url=URL)
     router = Router(RouterConfig())
     for draining in (True, True, False, False, True):
-        await worker_set_draining(worker_id=worker.id, draining=draining, router=router)
+        await worker_set_draining(worker_id=worker.id, draining=draining, runtime=router)
     assert [k for k, _ in await sync_kinds(worker.id)] == ["draining", "undrained", "draining"]
 
 
@@ -87,12 +84,11 @@ async def test_health_transitions_are_recorded():
             await worker.adelete()
             standin.healthy = False
             await check_worker(router, view)
-            await check_worker(
-                router, view
-            )  # a removed worker's transition writes nothing (and does not fail)
+            # a removed worker's transition writes nothing (and does not fail)
+            await check_worker(router, view)
             assert not view.healthy and await WorkerEvent.objects.acount() == 0
         finally:
-            await upstream.aclose()
+            await http.client.aclose()
 
 
 async def sync_kinds(worker_id: int) -> list[tuple[str, str]]:

@@ -1,6 +1,6 @@
-"""``runengine --register-with ROUTER --register-key KEY`` registers the engine with a running router
-(whose workers API needs an admin key): the router discovers its ranks and serves through them. An
-engine with a wrong key is refused once, says so, and is not listed."""
+"""``runengine --register-with ROUTER --register-key KEY`` registers the engine with a running
+router (whose workers API needs an admin key): the router discovers its ranks and serves through
+them. An engine with a wrong key is refused once, says so, and is not listed."""
 
 import argparse
 import sys

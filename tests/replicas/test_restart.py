@@ -49,9 +49,8 @@ def test_a_restarted_engine_is_rediscovered_and_its_index_forgotten(tmp_path):
                 lambda: httpx.get(router.url + "/health").status_code == 200, timeout=15
             )
             usage = complete(router.url, prompt)
-            assert (
-                usage["prompt_tokens_details"]["cached_tokens"] == 0
-            )  # the engine's caches are empty...
+            # the engine's caches are empty...
+            assert usage["prompt_tokens_details"]["cached_tokens"] == 0
             # ...and the router predicted exactly that
             assert (
                 counter(router.url, "dpmesh_router_predicted_cached_tokens_total", target)

@@ -11,16 +11,19 @@ from asgiref.testing import ApplicationCommunicator
 from django.test import AsyncClient
 
 from apps.replicas.models import Rank, Worker
-from apps.replicas.services import fleet_restore
-from apps.routing.router import Router, RouterConfig, get_router, set_router
-from controlplane.asgi import application
+from apps.replicas.runtime import SCOPE_KEY
+from apps.routing.fleet_sync import FleetSync
+from apps.routing.process import RouterProcess
+from apps.routing.router import Router, RouterConfig
+from controlplane.asgi import build_application
 from tests.support.procs import free_port, start_engine
 
 
-async def proxy_post(path: str, body: dict) -> httpx.Response:
+async def proxy_post(router, path: str, body: dict) -> httpx.Response:
     """Through the project's real ASGI application (the proxy paths are served before Django)."""
+    transport = httpx.ASGITransport(app=build_application(router))
     async with httpx.AsyncClient(
-        transport=httpx.ASGITransport(app=application), base_url="http://testserver", timeout=60
+        transport=transport, base_url="http://testserver", timeout=60
     ) as client:
         return await client.post(path, json=body)
 
@@ -62,7 +65,14 @@ def admin_key(settings):
 
 class AdminClient(AsyncClient):
     """Sends the admin key with every request (AsyncClient's own ``headers=`` default does not reach
-    the ASGI scope in Django 5.2)."""
+    the ASGI scope in Django 5.2), in the scope a router process gives its requests."""
+
+    def __init__(self, router):
+        super().__init__()
+        self.router = router
+
+    def _base_scope(self, **request):
+        return {**super()._base_scope(**request), SCOPE_KEY: self.router}
 
     def generic(self, *args, headers=None, **kwargs):
         return super().generic(
@@ -71,8 +81,8 @@ class AdminClient(AsyncClient):
 
 
 @pytest.fixture
-def client():
-    return AdminClient()
+def client(router):
+    return AdminClient(router)
 
 
 async def add(client, url, **extra):
@@ -129,10 +139,9 @@ async def test_get_and_delete_workers(engine, router, client):
     detail = await client.get(f"/workers/{worker_id}")
     assert detail.status_code == 200 and detail.json()["targets"][1]["key"] == f"{engine.url}@1"
     assert (await client.get(f"/workers/{worker_id + 1}")).status_code == 404
-    routed = router.route(
-        {"prompt": list(range(40))}, False, None
-    )  # gives the index something to drop
-    router.finish(routed, ok=True)
+    # gives the index something to drop
+    routed = router.route({"prompt": list(range(40))}, False, None)
+    routed.finish(ok=True)
     assert router.index.size(routed.target.key) == 2
 
     r = await client.delete(f"/workers/{worker_id}")
@@ -192,18 +201,16 @@ async def test_dp_unaware_worker_is_one_target_without_rank(engine, router, clie
     assert r.status_code == 201 and body["dp_aware"] is False and body["dp_size"] == 2
     assert [(t["key"], t["rank"]) for t in body["targets"]] == [(engine.url, None)]
     assert [row.rank async for row in Rank.objects.all()] == [None]
-    proxied = await proxy_post("/v1/completions", {"prompt": "hello", "max_tokens": 2})
+    proxied = await proxy_post(router, "/v1/completions", {"prompt": "hello", "max_tokens": 2})
     assert proxied.status_code == 200
     assert proxied.headers["x-routed-target"] == engine.url
-    assert proxied.headers["x-data-parallel-rank"] in (
-        "0",
-        "1",
-    )  # the engine's own choice, passed on
+    # the engine's own choice, passed on
+    assert proxied.headers["x-data-parallel-rank"] in ("0", "1")
 
 
 async def test_switching_dp_awareness_replaces_targets_and_forgets_old_keys(engine, router, client):
     worker_id = (await add(client, engine.url, dp_aware=False)).json()["id"]
-    router.finish(router.route({"prompt": list(range(40))}, False, None), ok=True)
+    router.route({"prompt": list(range(40))}, False, None).finish(ok=True)
     assert router.index.size(engine.url) == 2
     body = (await add(client, engine.url, dp_aware=True)).json()
     assert [t["key"] for t in body["targets"]] == [f"{engine.url}@0", f"{engine.url}@1"]
@@ -215,10 +222,9 @@ async def test_switching_dp_awareness_replaces_targets_and_forgets_old_keys(engi
 async def test_fleet_restore_rebuilds_targets_from_the_database(engine, router, client):
     worker_id = (await add(client, engine.url)).json()["id"]
     before = [(t.key, t.rank, t.rank_id) for t in router.fleet.targets[worker_id]]
-    restarted = set_router(Router(RouterConfig(dp_aware=True)))
+    restarted = Router(RouterConfig(dp_aware=True))
     assert keys(restarted) == []
-    assert await fleet_restore() == 1
-    assert get_router() is restarted
+    assert await FleetSync(restarted).sync() == 1
     assert [(t.key, t.rank, t.rank_id) for t in restarted.fleet.targets[worker_id]] == before
     assert restarted.index.capacity == {f"{engine.url}@0": 64, f"{engine.url}@1": 64}
     rows = {r.id: r.rank async for r in Rank.objects.filter(worker_id=worker_id)}
@@ -226,16 +232,17 @@ async def test_fleet_restore_rebuilds_targets_from_the_database(engine, router, 
 
 
 async def test_health_is_503_until_startup_has_restored_the_fleet(engine, router, client):
-    """A process that answers /health 200 serves with the fleet and policy it restored, not a partial one."""
-    from apps.replicas.serving import startup
+    """A process that answers /health 200 serves with the fleet and policy it restored, not a
+    partial one."""
     from apps.routing.jobs import notify_on
 
     await add(client, engine.url)
-    restarted = set_router(Router(RouterConfig(dp_aware=True)))
-    restarted.starting = True  # as serve_router sets it before the socket listens
+    restarted = Router(RouterConfig(dp_aware=True))
+    process = RouterProcess(restarted, [])  # as serve_router builds it before the socket listens
+    client = AdminClient(restarted)
     r = await client.get("/health")
     assert (r.status_code, r.json()["status"]) == (503, "starting")
-    tasks = await startup(restarted, [])
+    tasks = await process.start()
     try:
         r = await client.get("/health")
         assert (r.status_code, r.json()["targets"]) == (200, [f"{engine.url}@0", f"{engine.url}@1"])
@@ -243,22 +250,21 @@ async def test_health_is_503_until_startup_has_restored_the_fleet(engine, router
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        notify_on(None)  # startup() pointed dashboard nudges at this test's loop
+        notify_on(None)  # start() pointed dashboard nudges at this test's loop
 
 
 async def test_proxy_reports_the_rank_and_leaves_no_load(engine, router, client):
     await add(client, engine.url)
-    r = await proxy_post("/v1/chat/completions", CHAT)
+    r = await proxy_post(router, "/v1/chat/completions", CHAT)
     assert r.status_code == 200, r.text
     assert r.headers["x-data-parallel-rank"] in ("0", "1")
     assert r.headers["x-routed-target"] == f"{engine.url}@{r.headers['x-data-parallel-rank']}"
     assert r.json()["usage"]["prompt_tokens"] == 43
     served = []
     body = {"prompt": [(11 * i) % 4000 for i in range(600)], "max_tokens": 2, "temperature": 0}
-    for _ in range(
-        2
-    ):  # the same long prompt twice: the second lands home and hits what the first cached
-        r = await proxy_post("/v1/completions", body)
+    # the same long prompt twice: the second lands home and hits what the first cached
+    for _ in range(2):
+        r = await proxy_post(router, "/v1/completions", body)
         assert r.status_code == 200, r.text
         assert r.headers["x-routed-target"] == f"{engine.url}@{r.headers['x-data-parallel-rank']}"
         served.append(
@@ -269,9 +275,8 @@ async def test_proxy_reports_the_rank_and_leaves_no_load(engine, router, client)
         )
     assert served[1] == (served[0][0], 592)  # (600 - 1) // 16 = 37 blocks hit
     stats = router.stats.targets[served[0][0]]
-    assert (
-        stats.predicted_tokens == stats.cached_tokens
-    )  # the index predicted exactly what the engine hit
+    # the index predicted exactly what the engine hit
+    assert stats.predicted_tokens == stats.cached_tokens
     assert stats.completed == stats.requests == stats.reported
     assert all(t.load.idle for t in router.fleet.all_targets())
     assert [t.load.requests for t in router.fleet.all_targets()] == [0, 0]
@@ -285,7 +290,7 @@ async def test_streamed_proxy_relays_events_and_leaves_no_load(
     body = {"prompt": "the quick brown fox", "max_tokens": 3, "temperature": 0, "stream": True}
     if include_usage:
         body["stream_options"] = {"include_usage": True}
-    r = await proxy_post("/v1/completions", body)
+    r = await proxy_post(router, "/v1/completions", body)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     assert r.headers["x-routed-target"] == f"{engine.url}@{r.headers['x-data-parallel-rank']}"
     text = r.text
@@ -295,13 +300,12 @@ async def test_streamed_proxy_relays_events_and_leaves_no_load(
     usage_only = [p for p in payloads if not p["choices"]]
     assert len(usage_only) == (1 if include_usage else 0)
     assert all(t.load.idle for t in router.fleet.all_targets())
-    assert (
-        router.stats.targets[r.headers["x-routed-target"]].reported == 1
-    )  # usage learned either way
+    # usage learned either way
+    assert router.stats.targets[r.headers["x-routed-target"]].reported == 1
 
 
 async def test_proxy_without_workers_is_503(router, client):
-    r = await proxy_post("/v1/completions", {"prompt": "x"})
+    r = await proxy_post(router, "/v1/completions", {"prompt": "x"})
     assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
     assert router.stats.no_target == 1
 
@@ -330,7 +334,7 @@ async def test_client_disconnect_mid_stream_ends_the_load(engine, router, client
         "client": ("127.0.0.1", 50000),
         "server": ("testserver", 80),
     }
-    app = ApplicationCommunicator(application, scope)
+    app = ApplicationCommunicator(build_application(router), scope)
     await app.send_input(
         {"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}
     )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from apps.replicas.fleet import Target, WorkerView
+from apps.routing.fleet import Target, WorkerView
 from apps.routing.load import RankLoad
 
 

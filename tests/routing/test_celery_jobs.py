@@ -48,7 +48,7 @@ def send_some(url: str, n: int = 6, headers: dict | None = None) -> None:
             assert r.status_code == 200, r.text
 
 
-# ----- embedded --------------------------------------------------------------------------------------
+# ----- embedded -----------------------------------------------------------------------------------
 @pytest.mark.django_db(transaction=True)
 def test_tasks_run_eagerly_in_process_without_a_broker(engine, settings):
     from apps.replicas.models import Rank, RankSample, Worker
@@ -78,37 +78,34 @@ async def test_discovery_refresh_follows_an_engine_restarted_with_another_dp_siz
 
     from apps.replicas.models import Worker, WorkerEvent
     from apps.replicas.services import worker_add
-    from apps.routing import background
+    from apps.routing.fleet_sync import FleetSync
     from apps.routing.router import Router, RouterConfig
     from tests.support.router_checks import start_engine_on
 
     port = free_port()
     router = Router(RouterConfig(dp_aware=True))
+    fleet_sync = FleetSync(router)
     with start_engine_on(tmp_path, port, 1, "dp1") as engine:
-        worker = await worker_add(url=engine.url, router=router)
-        await background.sync_fleet(router)
+        worker = await worker_add(url=engine.url, runtime=router)
+        await fleet_sync.sync()
         assert [t.key for t in router.fleet.all_targets()] == [f"{engine.url}@0"]
-        assert await sync_to_async(jobs_refresh)() == {
-            "checked": 1,
-            "changed": 0,
-        }  # live state is not a change
-    router.fleet.all_targets()[0].load.begin(
-        10, 0
-    )  # a request in flight on rank 0 across the restart
+        # live state is not a change
+        assert await sync_to_async(jobs_refresh)() == {"checked": 1, "changed": 0}
+    # a request in flight on rank 0 across the restart
+    router.fleet.all_targets()[0].load.begin(10, 0)
     with start_engine_on(tmp_path, port, 2, "dp2") as engine:
         assert await sync_to_async(jobs_refresh)() == {"checked": 1, "changed": 1}
         worker = await Worker.objects.aget(id=worker.id)
         assert worker.dp_size == 2 and await worker.ranks.acount() == 2
         event = await WorkerEvent.objects.filter(worker=worker, kind="changed").alatest("at")
         assert "dp_size 1 -> 2" in event.detail
-        await background.sync_fleet(router)
+        await fleet_sync.sync()
         assert sorted(t.key for t in router.fleet.all_targets()) == [
             f"{engine.url}@0",
             f"{engine.url}@1",
         ]
-        assert (
-            router.fleet.all_targets()[0].load.requests == 1
-        )  # the surviving target kept its load
+        # the surviving target kept its load
+        assert router.fleet.all_targets()[0].load.requests == 1
         routed = router.route({"prompt": "hello", "max_tokens": 1}, False, None)
         assert routed.target.rank == 1  # the idle new rank
 
@@ -144,14 +141,13 @@ def test_the_router_process_runs_the_jobs_itself_without_a_broker(engine, tmp_pa
                     "SELECT count(*), count(DISTINCT at) FROM replicas_ranksample"
                 ).fetchone()
 
-        assert wait_for(lambda: samples()[1] >= 3, timeout=15), (
-            samples()
-        )  # several scrapes, on schedule
+        # several scrapes, on schedule
+        assert wait_for(lambda: samples()[1] >= 3, timeout=15), samples()
         assert samples()[0] == DP * samples()[1]  # every scrape covers every rank
         assert "periodic jobs in this process" in router.log()
 
 
-# ----- scale-out: Redis + Postgres + a real Celery worker ---------------------------------------------
+# ----- scale-out: Redis + Postgres + a real Celery worker -----------------------------------------
 @pytest.fixture
 def postgres_db(postgres_server_url):
     name = f"dpmesh_celery_{uuid.uuid4().hex[:10]}"
@@ -278,21 +274,23 @@ def test_a_real_celery_worker_on_redis_runs_the_jobs(engine, tmp_path, postgres_
             m = metrics(engine.url)
             latest = query(
                 postgres_db,
-                """SELECT r.rank, s.prompt_tokens, s.cached_tokens FROM replicas_ranksample s
-                                           JOIN replicas_rank r ON r.id = s.rank_id
-                                           WHERE s.at = (SELECT max(at) FROM replicas_ranksample) ORDER BY r.rank""",
+                "SELECT r.rank, s.prompt_tokens, s.cached_tokens FROM replicas_ranksample s"
+                " JOIN replicas_rank r ON r.id = s.rank_id"
+                " WHERE s.at = (SELECT max(at) FROM replicas_ranksample) ORDER BY r.rank",
             )
             assert [(rank, p, c) for rank, p, c in latest] == [
                 (r, m[("prompt_tokens", r)], m[("cached_tokens", r)]) for r in range(DP)
             ]
 
-            # every scrape on the worker nudges the router's dashboards through the Redis channel layer
+            # every scrape on the worker nudges the router's dashboards through the Redis channel
+            # layer
             client = staff_session(router.url, "ops", "celery-test-pw-1")
             snapshots = asyncio.run(dashboard_snapshots(router.url, client.cookies, seconds=5))
             assert len(snapshots) >= 3, len(snapshots)  # one on connect, then one per nudge (~1 s)
             assert snapshots[-1]["workers"][0]["ranks"][0]["engine_prompt_tokens"] is not None
 
-            # the dashboard's on-demand bench: queued through Redis, run by the worker, stored in Postgres
+            # the dashboard's on-demand bench: queued through Redis, run by the worker, stored in
+            # Postgres
             token = client.cookies["csrftoken"]
             r = client.post(
                 "/dashboard/bench",
@@ -324,9 +322,8 @@ def test_a_real_celery_worker_on_redis_runs_the_jobs(engine, tmp_path, postgres_
                 result["completed"] == 15 and result["failed"] == 0 and result["hit_rate"] > 0.3
             ), result
             assert len(result["ttft_ms_series"]) == 15
-            assert (
-                "routing.run_bench" in (tmp_path / "celery.log").read_text()
-            )  # the worker ran it, not the router
+            # the worker ran it, not the router
+            assert "routing.run_bench" in (tmp_path / "celery.log").read_text()
             client.close()
         finally:
             os.killpg(worker.pid, signal.SIGTERM)

@@ -1,6 +1,7 @@
 """The dashboard's backend in-process: the snapshot and its series, the websocket (auth, pushes,
 the policy switch), the staff-only views, and the jobs' pure parts (metrics parsing, pruning).
-The browser test (tests/routing/test_dashboard_browser.py) drives all of it against real processes."""
+The browser test (tests/routing/test_dashboard_browser.py) drives all of it against real
+processes."""
 
 from __future__ import annotations
 
@@ -17,21 +18,25 @@ from django.test import override_settings
 from django.utils import timezone
 
 from apps.replicas.models import Rank, RankSample, Worker, WorkerEvent
-from apps.replicas.services import install
+from apps.replicas.runtime import SCOPE_KEY
 from apps.routing import jobs
 from apps.routing.consumers import NOT_AUTHORIZED
-from apps.routing.dashboard import build_snapshot, series
 from apps.routing.models import BenchRun, RoutingSettings
-from apps.routing.router import Router, RouterConfig, set_router
+from apps.routing.router import Router, RouterConfig
+from apps.routing.selectors import build_snapshot, series
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
 @pytest.fixture
 def router():
-    r = set_router(Router(RouterConfig(policy="cache_aware")))
-    yield r
-    set_router(None)
+    return Router(RouterConfig(policy="cache_aware"))
+
+
+@pytest.fixture
+def client(client, router):
+    client.defaults[SCOPE_KEY] = router  # a WSGI request's environ, as the ASGI scope
+    return client
 
 
 def make_worker(router, dp_size=2, url="http://127.0.0.1:9"):
@@ -42,7 +47,7 @@ def make_worker(router, dp_size=2, url="http://127.0.0.1:9"):
         server_info={"dp_size": dp_size, "model_id": "tiny"},
     )
     rank_ids = {r: Rank.objects.create(worker=worker, rank=r).id for r in range(dp_size)}
-    install(router, worker, rank_ids)
+    router.worker_saved(worker, rank_ids)
     return worker
 
 
@@ -59,7 +64,7 @@ def sample(rank, at, requests, prompt, cached, up=True):
     )
 
 
-# ----- snapshot ------------------------------------------------------------------------------------
+# ----- snapshot -----------------------------------------------------------------------------------
 def test_snapshot_puts_the_engine_and_the_router_side_by_side(router):
     worker = make_worker(router)
     r0, r1 = worker.ranks.order_by("rank")
@@ -135,7 +140,7 @@ def test_an_interval_without_prompts_or_with_the_engine_down_has_no_rate(router)
     assert series({rank.id: "k"}, window_s=60)["ranks"]["k"] == [None, None]
 
 
-# ----- jobs ----------------------------------------------------------------------------------------
+# ----- jobs ---------------------------------------------------------------------------------------
 ENGINE_TEXT = """# HELP dpmesh_engine_prompt_tokens_total Prompt tokens
 # TYPE dpmesh_engine_prompt_tokens_total counter
 dpmesh_engine_prompt_tokens_total{rank="0"} 1000.0
@@ -199,16 +204,16 @@ def test_prune_deletes_only_what_is_past_retention(router):
     assert list(WorkerEvent.objects.values_list("kind", flat=True)) == ["unhealthy"]
 
 
-# ----- websocket -----------------------------------------------------------------------------------
+# ----- websocket ----------------------------------------------------------------------------------
 def _staff():
     return get_user_model().objects.create_user("ops", password="pw-ops-123", is_staff=True)
 
 
-async def _communicator(user=None):
-    from controlplane.asgi import application
+async def _communicator(router, user=None):
+    from controlplane.asgi import build_application
 
     communicator = WebsocketCommunicator(
-        application,
+        build_application(router),
         "/ws/dashboard/",
         headers=[(b"origin", b"http://127.0.0.1"), (b"host", b"127.0.0.1")],
     )
@@ -224,17 +229,18 @@ async def test_the_websocket_refuses_anonymous_and_non_staff(router):
         AnonymousUser(),
         await sync_to_async(get_user_model().objects.create_user)("guest", password="x"),
     ):
-        communicator = await _communicator(user)
+        communicator = await _communicator(router, user)
         connected, code = await communicator.connect()
         assert not connected and code == NOT_AUTHORIZED
-    communicator = await _communicator()  # no session at all, through the real auth middleware
+    # no session at all, through the real auth middleware
+    communicator = await _communicator(router)
     connected, code = await communicator.connect()
     assert not connected and code == NOT_AUTHORIZED
 
 
 async def test_the_websocket_pushes_snapshots_and_switches_the_policy(router):
     await sync_to_async(make_worker)(router)
-    communicator = await _communicator(await sync_to_async(_staff)())
+    communicator = await _communicator(router, await sync_to_async(_staff)())
     connected, _ = await communicator.connect()
     assert connected
     first = await communicator.receive_json_from(timeout=5)
@@ -257,7 +263,7 @@ async def test_the_websocket_pushes_snapshots_and_switches_the_policy(router):
     await communicator.disconnect()
 
 
-# ----- views ---------------------------------------------------------------------------------------
+# ----- views --------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "method,path",
     [
@@ -308,7 +314,7 @@ def test_the_dashboard_needs_a_csrf_token_for_its_actions(router):
     from django.test import Client
 
     _staff()
-    client = Client(enforce_csrf_checks=True)
+    client = Client(enforce_csrf_checks=True, **{SCOPE_KEY: router})
     client.login(username="ops", password="pw-ops-123")
     r = client.post(
         "/dashboard/policy", json.dumps({"policy": "random"}), content_type="application/json"
@@ -316,7 +322,7 @@ def test_the_dashboard_needs_a_csrf_token_for_its_actions(router):
     assert r.status_code == 403 and router.policy.name == "cache_aware"
 
 
-# ----- nudges from job threads ----------------------------------------------------------------------
+# ----- nudges from job threads --------------------------------------------------------------------
 async def test_nudges_from_job_threads_are_sent_on_the_router_loop_without_waiting():
     """A job thread must not wait on the router's loop: once the loop stops (the process is
     exiting), a waiting thread would keep the interpreter from ever exiting."""
@@ -329,9 +335,8 @@ async def test_nudges_from_job_threads_are_sent_on_the_router_loop_without_waiti
         assert (await asyncio.wait_for(layer.receive(channel), 5))["reason"] == "scraped"
         stopped = asyncio.new_event_loop()  # a loop that no longer runs
         jobs.notify_on(stopped)
-        await asyncio.wait_for(
-            asyncio.to_thread(jobs.notify_dashboard, "scraped"), 5
-        )  # returns at once
+        # returns at once
+        await asyncio.wait_for(asyncio.to_thread(jobs.notify_dashboard, "scraped"), 5)
         stopped.close()
         await asyncio.wait_for(asyncio.to_thread(jobs.notify_dashboard, "scraped"), 5)
     finally:

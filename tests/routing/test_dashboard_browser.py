@@ -95,7 +95,8 @@ def cells(driver, field: str) -> dict[str, str]:
     """{rank key: text} of one column of the ranks table."""
     return driver.execute_script(
         "const out = {}; for (const tr of document.querySelectorAll('#ranks tr[data-target]')) {"
-        f"  const td = tr.querySelector('[data-field=\"{field}\"]'); out[tr.dataset.target] = td ? td.textContent.trim() : null;"
+        f"  const td = tr.querySelector('[data-field=\"{field}\"]');"
+        " out[tr.dataset.target] = td ? td.textContent.trim() : null;"
         "} return out;"
     )
 
@@ -228,9 +229,8 @@ def test_the_policy_switch_on_the_dashboard_changes_the_next_requests_routing(fl
     assert wait_for(lambda: js(browser, "window.lastSnapshot.policy") == "round_robin", timeout=10)
     assert active_policy(router.url) == "round_robin"  # applied in the router, not only shown
     after = ranks_of(router.url, prompt, 6)
-    assert sorted(set(after)) == [str(r) for r in range(DP)], (
-        after
-    )  # the same prompt now goes everywhere
+    # the same prompt now goes everywhere
+    assert sorted(set(after)) == [str(r) for r in range(DP)], after
     assert js(browser, "window.lastSnapshot.policy_updated_by") == USER
 
     Select(browser.find_element("id", "policy-select")).select_by_value("cache_aware")

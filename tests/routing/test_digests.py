@@ -5,7 +5,7 @@ engine's language. Without a tokenizer it falls back to chained digests of 64-ch
 import pytest
 import xxhash
 
-from apps.routing.digests import (
+from apps.routing.request_shape import (
     CHUNK_CHARS,
     load_tokenizer,
     routing_text,
@@ -159,7 +159,8 @@ def test_fallback_digests_are_chained():
     changed = "y" + text[1:]
     base, other = text_digests(text), text_digests(changed)
     assert len(base) == len(other) == 4
-    assert all(a != b for a, b in zip(base, other))  # changing chunk 0 changes every later digest
+    # changing chunk 0 changes every later digest
+    assert all(a != b for a, b in zip(base, other, strict=True))
     same_head = text_digests(text[: 2 * CHUNK_CHARS] + "z" * (2 * CHUNK_CHARS))
     assert same_head[:2] == base[:2] and same_head[2] != base[2]
 

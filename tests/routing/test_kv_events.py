@@ -9,7 +9,7 @@ import asyncio
 import httpx
 import pytest
 
-from apps.replicas.fleet import WorkerView
+from apps.routing.fleet import WorkerView
 from apps.routing.kv_events import RELEASE_TAIL_S, KVEventsFeed
 from apps.routing.router import Router, RouterConfig
 from tests.routing.helpers import Clock, worker_view
@@ -46,12 +46,10 @@ def test_readers_follow_the_workers_that_offer_events(monkeypatch):
         router, feed = feed_with(
             worker_view(1, url="http://w1", dp_size=2, kv_events="/kv_events", instance_id="first")
         )
-        router.fleet.put(
-            worker_view(2, url="http://w2", dp_size=2)
-        )  # approximate: no events offered
-        router.fleet.put(
-            worker_view(3, url="http://w3", dp_aware=False, kv_events="/kv_events")
-        )  # no ranks known
+        # approximate: no events offered
+        router.fleet.put(worker_view(2, url="http://w2", dp_size=2))
+        # no ranks known
+        router.fleet.put(worker_view(3, url="http://w3", dp_aware=False, kv_events="/kv_events"))
         followed = []
 
         async def follow(worker_id, spec):
@@ -128,11 +126,10 @@ def test_a_removal_racing_a_routed_request_waits_until_it_is_prefilled():
     feed.clock = clock
     key = "http://w1@0"
     feed.apply(1, {"rank": 0, "snapshot": [1, 2, 3, 4]})
-    feed.on_route(key, [1, 2])  # two requests just routed there need blocks 1 and 2
-    feed.on_route(key, [1])
-    feed.apply(
-        1, {"rank": 0, "events": [["removed", [1, 2, 3]]]}
-    )  # evicted before they were admitted
+    feed.routed(key, [1, 2])  # two requests just routed there need blocks 1 and 2
+    feed.routed(key, [1])
+    # evicted before they were admitted
+    feed.apply(1, {"rank": 0, "events": [["removed", [1, 2, 3]]]})
     assert router.index.match([1, 2]) == {key: 2} and router.index.match([3]) == {}
     feed.apply(1, {"rank": 0, "events": [["stored", [2]]]})  # one of them re-cached block 2
     feed.prefilled(key, [1, 2])
@@ -153,9 +150,9 @@ def test_routed_requests_are_pending_until_their_first_token_or_their_end():
     feed.apply(1, {"rank": 0, "snapshot": []})
     routed = router.route({"prompt": "x" * 300}, False, None)
     assert feed.pending[routed.target.key] == {d: 1 for d in routed.shape.digests}
-    router.first_token(routed)
-    router.finish(routed, ok=True)  # released once only
+    routed.first_token()
+    routed.finish(ok=True)  # released once only
     assert feed.pending[routed.target.key] == {}
     failed = router.route({"prompt": "x" * 300}, False, None)
-    router.finish(failed, ok=False)
+    failed.finish(ok=False)
     assert feed.pending[failed.target.key] == {}

@@ -109,11 +109,8 @@ def test_peers_add_to_the_totals_but_never_to_the_own_counters():
     load.set_peer("b", requests=3, prompt_tokens=900, prefill_tokens=500, sessions=2.0, recent=4.0)
     load.set_peer("c", requests=1, prompt_tokens=50, prefill_tokens=0)
     assert (load.inflight, load.inflight_tokens, load.queued_prefill_tokens) == (5, 1050, 560)
-    assert (load.requests, load.prompt_tokens, load.pending_prefill_tokens) == (
-        1,
-        100,
-        60,
-    )  # what is published
+    # what is published
+    assert (load.requests, load.prompt_tokens, load.pending_prefill_tokens) == (1, 100, 60)
     assert load.active_sessions() == pytest.approx(
         3.0
     ) and load.own_active_sessions() == pytest.approx(1.0)
@@ -126,9 +123,8 @@ def test_peers_add_to_the_totals_but_never_to_the_own_counters():
     assert load.own_active_sessions() == pytest.approx(
         1.0 * 2 ** (-RECENT_HALF_LIFE_S / SESSION_HALF_LIFE_S) + 1
     )
-    load.set_peer(
-        "b", requests=0, prompt_tokens=0, prefill_tokens=0
-    )  # a new snapshot replaces the old one
+    # a new snapshot replaces the old one
+    load.set_peer("b", requests=0, prompt_tokens=0, prefill_tokens=0)
     load.drop_peer("c")
     load.drop_peer("never-seen")
     assert (load.inflight, load.inflight_tokens, load.queued_prefill_tokens) == (2, 110, 70)

@@ -7,10 +7,9 @@ from __future__ import annotations
 import pytest
 
 from apps.replicas.models import Rank, Worker
-from apps.replicas.services import install
-from apps.routing.dashboard import build_snapshot
-from apps.routing.persist import persist_stats, restore_stats, unpersisted
+from apps.routing.persist import persist_stats, restore_stats
 from apps.routing.router import Router, RouterConfig
+from apps.routing.selectors import build_snapshot
 
 pytestmark = pytest.mark.django_db(transaction=True)
 URL = "http://127.0.0.1:9"
@@ -19,7 +18,7 @@ URL = "http://127.0.0.1:9"
 def make_router() -> Router:
     router = Router(RouterConfig())
     worker = Worker.objects.get(url=URL)
-    install(router, worker, {r.rank: r.id for r in worker.ranks.all()})
+    router.worker_saved(worker, {r.rank: r.id for r in worker.ranks.all()})
     return router
 
 
@@ -50,7 +49,7 @@ async def test_two_processes_add_up_and_a_restart_resumes(worker):
     await persist_stats(b)
     await persist_stats(a)  # nothing new: nothing added twice
     assert await sync_to_async(row)() == (3, 250, 108, 1)
-    assert unpersisted(a, key) == dict.fromkeys(unpersisted(a, key), 0)
+    assert a.stats.unwritten(key) == dict.fromkeys(a.stats.unwritten(key), 0)
 
     a.stats.dispatched(key, 10, 0)  # not written yet: the dashboard still counts it
     snap = await sync_to_async(build_snapshot)(a)

@@ -8,9 +8,9 @@ import random
 
 import pytest
 
-from apps.routing.digests import RequestShape
 from apps.routing.load import SESSION_HALF_LIFE_S
 from apps.routing.policies import CacheAware, PowerOfTwo, Random, RoundRobin, make_policy
+from apps.routing.request_shape import RequestShape
 from tests.routing.helpers import Clock, targets
 
 B = 16
@@ -100,7 +100,8 @@ def test_hot_shared_prefix_moves_away_exactly_when_home_costs_more(queued_prefil
 @pytest.mark.parametrize(("queued_prefill", "expected"), [(127, "home"), (129, "away")])
 def test_private_history_is_stickier_than_a_shared_prefix(queued_prefill, expected):
     """The same 64 cached tokens as one session's own history (no shared branch point): leaving
-    strands them, so away also pays 64 stickiness tokens and break-even moves to a 128-token queue."""
+    strands them, so away also pays 64 stickiness tokens and break-even moves to a 128-token
+    queue."""
     policy = cache_aware()
     home, away = targets(2)
     home.load.begin(200, queued_prefill)
@@ -127,12 +128,12 @@ def test_balance_term_sends_new_sessions_where_fewer_requests_and_sessions_are()
     clock = Clock()
     policy = cache_aware(balance_weight=100.0)
     busy, quiet = targets(2, clock=clock)
-    busy.load.begin(
-        100, 0, continues_session=True
-    )  # two in flight here, one of them a session's turn
+    # two in flight here, one of them a session's turn
+    busy.load.begin(100, 0, continues_session=True)
     busy.load.begin(100, 0)
     s = shape(40)
-    # in flight 2 vs 0 (mean 1: +1 / -1), active sessions 1 vs 0 (+1 / -1): excess +1 / -1, pressure 1
+    # in flight 2 vs 0 (mean 1: +1 / -1), active sessions 1 vs 0 (+1 / -1): excess +1 / -1,
+    # pressure 1
     assert policy.costs([busy, quiet], s, {}) == [40 + 32 + 100, 40 - 100]
     assert policy.choose([busy, quiet], s, {}) is quiet
     clock.now += SESSION_HALF_LIFE_S  # sessions fade together: the relative excess stays
@@ -154,10 +155,8 @@ def test_balance_term_is_off_when_the_fleet_is_idle_and_for_private_history():
     busy, quiet = targets(2, clock=clock)
     busy.load.end(busy.load.begin(300, 0))
     quiet.load.end(quiet.load.begin(100, 0))
-    assert policy.costs([busy, quiet], shape(40), {}) == [
-        40,
-        40,
-    ]  # nothing in flight: affinity alone
+    # nothing in flight: affinity alone
+    assert policy.costs([busy, quiet], shape(40), {}) == [40, 40]
     busy.load.begin(10, 0)
     quiet.load.begin(10, 0)
     # a session whose history (4 private blocks) sits on busy: no balance term, stickiness instead
@@ -168,9 +167,8 @@ def test_balance_term_never_outweighs_a_large_cached_prefix():
     clock = Clock()
     policy = cache_aware()
     home, away = targets(2, clock=clock)
-    home.load.begin(
-        5000, 0
-    )  # in flight 1 vs 0 (+1 / -1), no sessions: excess +0.5 / -0.5; pressure 1/2
+    # in flight 1 vs 0 (+1 / -1), no sessions: excess +0.5 / -0.5; pressure 1/2
+    home.load.begin(5000, 0)
     s = shape(1000, blocks=62)
     costs = policy.costs([home, away], s, {home.key: 62}, shared_blocks=62)
     assert costs == [8 + 16 + 64, 1000 - 64]

@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from apps.routing.digests import load_tokenizer
 from apps.routing.policies import CacheAware, RoundRobin
+from apps.routing.request_shape import load_tokenizer
 from apps.routing.router import NoTarget, Router, RouterConfig
 from engine.digests import chain_digests
 from engine.server.openai_api import chat_prompt
@@ -49,10 +49,10 @@ def test_route_commits_load_and_index_and_the_repeat_is_predicted(tiny_path, cha
     load = first.target.load
     assert (load.requests, load.prompt_tokens, load.pending_prefill_tokens) == (1, 43, 43)
     assert router.index.match(first.shape.digests) == {key: 2}
-    router.first_token(first)
+    first.first_token()
     assert load.pending_prefill_tokens == 0
-    router.finish(
-        first, ok=True, usage={"prompt_tokens": 43, "prompt_tokens_details": {"cached_tokens": 0}}
+    first.finish(
+        ok=True, usage={"prompt_tokens": 43, "prompt_tokens_details": {"cached_tokens": 0}}
     )
     assert load.idle
 
@@ -60,7 +60,7 @@ def test_route_commits_load_and_index_and_the_repeat_is_predicted(tiny_path, cha
     assert second.target is first.target
     assert second.predicted_tokens == 32  # (43 - 1) // 16 = 2 blocks
     assert (load.requests, load.pending_prefill_tokens) == (1, 11)
-    router.finish(second, ok=True, usage={"prompt_tokens_details": {"cached_tokens": 32}})
+    second.finish(ok=True, usage={"prompt_tokens_details": {"cached_tokens": 32}})
     stats = router.stats.targets[key].as_dict()
     assert stats == {
         "requests": 2,
@@ -83,7 +83,7 @@ def test_a_long_cached_prompt_returns_home(tiny_path):
         routed = router.route(body, False, None)
         assert routed.predicted_tokens == (0 if turn == 0 else 592)  # (600 - 1) // 16 = 37 blocks
         homes.add(routed.target.key)
-        router.finish(routed, ok=True)
+        routed.finish(ok=True)
     assert len(homes) == 1
     other = next(t for t in router.fleet.all_targets() if t.key not in homes)
     assert other.load.dispatched == 0 and router.index.size(other.key) == 0
@@ -92,9 +92,9 @@ def test_a_long_cached_prompt_returns_home(tiny_path):
 def test_finish_is_idempotent_and_records_errors(tiny_path):
     router = make_router(tiny_path)
     routed = router.route({"prompt": "hello there"}, False, None)
-    router.finish(routed, ok=False)
-    router.finish(routed, ok=False)
-    router.finish(routed, ok=True, usage={"prompt_tokens_details": {"cached_tokens": 5}})
+    routed.finish(ok=False)
+    routed.finish(ok=False)
+    routed.finish(ok=True, usage={"prompt_tokens_details": {"cached_tokens": 5}})
     stats = router.stats.targets[routed.target.key]
     assert (stats.requests, stats.completed, stats.errors, stats.reported, stats.cached_tokens) == (
         1,
@@ -109,22 +109,22 @@ def test_finish_is_idempotent_and_records_errors(tiny_path):
 def test_latency_and_first_token_are_observed_once_per_request(tiny_path):
     router = make_router(tiny_path)
     routed = router.route({"prompt": "hello there", "stream": True}, False, None)
-    router.first_token(routed)
-    router.first_token(routed)
-    router.finish(routed, ok=True)
-    router.finish(routed, ok=True)
+    routed.first_token()
+    routed.first_token()
+    routed.finish(ok=True)
+    routed.finish(ok=True)
     assert (router.stats.ttft.count, router.stats.latency.count) == (1, 1)
     assert 0 <= router.stats.ttft.sum <= router.stats.latency.sum
     assert router.stats.latency.cumulative()[-1] == ("+Inf", 1)
     other = router.route({"prompt": "no stream"}, False, None)
-    router.finish(other, ok=False)  # failed requests are timed too, and never had a first token
+    other.finish(ok=False)  # failed requests are timed too, and never had a first token
     assert (router.stats.ttft.count, router.stats.latency.count) == (1, 2)
 
 
 def test_finish_without_usage_counts_completion_only(tiny_path):
     router = make_router(tiny_path)
     routed = router.route({"prompt": "hello there"}, False, None)
-    router.finish(routed, ok=True)
+    routed.finish(ok=True)
     stats = router.stats.targets[routed.target.key]
     assert (stats.completed, stats.reported, stats.errors) == (1, 0, 0)
 
@@ -139,7 +139,7 @@ def test_a_successful_finish_closes_a_half_open_circuit(tiny_path):
     )
     target.breaker.record_failure()
     assert target.breaker.state == "half_open"
-    router.finish(router.route({"prompt": "x"}, False, None), ok=True)
+    router.route({"prompt": "x"}, False, None).finish(ok=True)
     assert target.breaker.state == "closed"
 
 
@@ -151,17 +151,14 @@ def test_a_half_open_target_takes_one_trial_request_at_a_time(tiny_path):
     routed = router.route({"prompt": "x"}, False, None, exclude={healthy.key})
     assert routed.target is sick and routed.trial
     others = [router.route({"prompt": "x"}, False, None) for _ in range(3)]
-    assert all(
-        r.target is healthy and not r.trial for r in others
-    )  # no second trial while one runs
-    router.finish(
-        routed, ok=False
-    )  # ended without success (the proxy records upstream failures itself)
+    # no second trial while one runs
+    assert all(r.target is healthy and not r.trial for r in others)
+    routed.finish(ok=False)  # ended without success (the proxy records upstream failures itself)
     again = router.route({"prompt": "x"}, False, None, exclude={healthy.key})
     assert again.target is sick and again.trial  # the slot is free again
-    router.finish(again, ok=True)
+    again.finish(ok=True)
     for r in others:
-        router.finish(r, ok=True)
+        r.finish(ok=True)
     assert sick.breaker.state == "half_open" and sick.breaker.allows()
 
 
@@ -171,7 +168,7 @@ def test_empty_prompt_is_not_predicted_negative(tiny_path):
     routed = router.route({"prompt": ""}, False, None)
     assert routed.shape.prompt_tokens == 0
     assert routed.predicted_tokens == 0
-    assert routed.ticket.prefill_tokens == 0
+    assert routed.prefill_tokens == 0
     assert router.stats.targets[routed.target.key].predicted_tokens == 0
 
 
@@ -208,19 +205,18 @@ def test_one_open_circuit_sends_everything_to_the_other_rank(tiny_path):
     for i in range(6):
         routed = router.route({"prompt": f"request {i}"}, False, None)
         assert routed.target is good
-        router.finish(routed, ok=True)
+        routed.finish(ok=True)
 
 
 def test_exclude_skips_targets(tiny_path):
     router = make_router(tiny_path)
     t0, t1 = router.fleet.all_targets()
     first = router.route(CHAT, True, None)
-    router.finish(first, ok=True)
+    first.finish(ok=True)
     home = first.target
     other = t1 if home is t0 else t0
-    retry = router.route(
-        CHAT, True, None, exclude={home.key}
-    )  # the retry goes elsewhere, cache or not
+    # the retry goes elsewhere, cache or not
+    retry = router.route(CHAT, True, None, exclude={home.key})
     assert retry.target is other and retry.predicted_tokens == 0
     with pytest.raises(NoTarget):
         router.route(CHAT, True, None, exclude={t0.key, t1.key})
@@ -231,12 +227,12 @@ def test_model_filtering(tiny_path):
     for _ in range(5):
         routed = router.route({"prompt": "some text"}, False, "beta")
         assert routed.target.key == "http://w2@0"
-        router.finish(routed, ok=True)
+        routed.finish(ok=True)
     keys = set()
     for _ in range(6):
         routed = router.route({"prompt": "other text"}, False, "alpha")
         keys.add(routed.target.key)
-        router.finish(routed, ok=True)
+        routed.finish(ok=True)
     assert keys <= {"http://w1@0", "http://w1@1"} and keys
     with pytest.raises(NoTarget, match="'gamma'"):
         router.route({"prompt": "x"}, False, "gamma")
@@ -258,7 +254,7 @@ def test_set_policy_switches_policy(tiny_path):
     for _ in range(4):  # the same cached request alternates: round robin ignores the index
         routed = router.route(CHAT, True, None)
         keys.append(routed.target.key)
-        router.finish(routed, ok=True)
+        routed.finish(ok=True)
     assert keys == ["http://w1@0", "http://w1@1", "http://w1@0", "http://w1@1"]
     with pytest.raises(ValueError):
         router.set_policy("nope")
@@ -290,7 +286,7 @@ def test_foreign_worker_routes_on_text_digests(tiny_path):
         16,
         50,
     )
-    router.finish(first, ok=True)
+    first.finish(ok=True)
     assert router.route({"prompt": text}, False, None).predicted_tokens == 48
 
 

@@ -1,5 +1,6 @@
 """The router's failure paths, end to end with real processes: ``runrouter`` under daphne in front
-of real engines (``runengine``) and of stand-ins that misbehave on purpose (tests/support/standin.py).
+of real engines (``runengine``) and of stand-ins that misbehave on purpose
+(tests/support/standin.py).
 
 Every path must release the router's load (its /metrics gauges per target return to 0): normal
 streams, upstream 4xx/5xx, upstream timeouts, client disconnects mid-stream and before the first
@@ -76,9 +77,8 @@ def start_test_router(
 class Cluster:
     tmp: Path
     router: ServerProcess  # cache_aware
-    failover: (
-        ServerProcess  # round_robin: the worker-down test needs to know requests reach both engines
-    )
+    # round_robin: the worker-down test needs to know requests reach both engines
+    failover: ServerProcess
     engine: ServerProcess  # dp 2, stays up
     spare: ServerProcess  # dp 1, killed and restarted by the worker-down test
     spare_port: int
@@ -368,7 +368,7 @@ def test_a_burst_of_new_sessions_is_spread_over_idle_ranks(cluster, standin):
     assert min(inflight) >= 1 and max(inflight) <= 3, f"in flight per rank: {inflight}"
 
 
-# ----- 2. retries ----------------------------------------------------------------------------------
+# ----- 2. retries ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("stream", [False, True])
 def test_503_is_retried_on_another_target(cluster, standin, stream):
     s = standin(dp_size=2)
@@ -406,18 +406,18 @@ def test_no_retry_after_the_first_byte(cluster, standin, chat):
     assert_idle(cluster.url)
 
 
-# ----- 4. a worker that is not up yet is discovered -------------------------------------------------
+# ----- 4. a worker that is not up yet is discovered -----------------------------------------------
 def test_workers_named_before_they_are_up_are_discovered(cluster):
     expected = sorted(
         [f"{cluster.engine.url}@0", f"{cluster.engine.url}@1", f"{cluster.spare.url}@0"]
     )
     for router, (status, body) in zip(
-        (cluster.router, cluster.failover), cluster.health_before_engines
+        (cluster.router, cluster.failover), cluster.health_before_engines, strict=True
     ):
         assert (status, body["targets"]) == (503, [])
-        assert wait_for(lambda: sorted(healthy_targets(router.url)) == expected, timeout=5), (
-            healthy_targets(router.url)
-        )
+        assert wait_for(
+            lambda router=router: sorted(healthy_targets(router.url)) == expected, timeout=5
+        ), healthy_targets(router.url)
         workers = httpx.get(router.url + "/workers", timeout=5).json()["workers"]
         assert sorted(
             (w["url"], w["dp_size"], w["health"]) for w in workers if "standin" not in w["model"]
@@ -449,7 +449,7 @@ def test_a_late_worker_turns_health_to_200(tmp_path):
             assert r.status_code == 200, r.text
 
 
-# ----- 5. the openai client through the router ------------------------------------------------------
+# ----- 5. the openai client through the router ----------------------------------------------------
 @pytest.fixture
 def oai(cluster):
     with openai.OpenAI(
@@ -459,9 +459,8 @@ def oai(cluster):
 
 
 def test_openai_client_non_streaming_usage(oai, cluster):
-    prompt = (
-        "the quick brown fox jumps over the lazy dog and keeps running " * 6
-    )  # several full blocks
+    # several full blocks
+    prompt = "the quick brown fox jumps over the lazy dog and keeps running " * 6
     chat = [
         oai.chat.completions.create(
             model="tiny",
@@ -516,7 +515,7 @@ def test_openai_client_streaming_usage_only_when_asked(oai, cluster, chat):
     assert_idle(cluster.url)
 
 
-# ----- 3. a worker goes down and comes back (last: it restarts the spare engine) -------------------
+# ----- 3. a worker goes down and comes back (last: it restarts the spare engine) ------------------
 class StreamReader(threading.Thread):
     """A long streamed completion read in a thread: where it went, its events, how it ended. It
     stops reading (the client leaves) once ``leave`` is set, unless it is on ``stay_on``."""
@@ -575,7 +574,9 @@ def load_the_spare(url: str, spare_target: str, pool, leave: threading.Event):
         assert len(plains) < 6, "no plain request reached the spare"
         before = counter(url, "dpmesh_router_requests_total")
         plains.append(pool.submit(plain_request, url, len(plains)))
-        assert wait_for(lambda: counter(url, "dpmesh_router_requests_total") > before, timeout=5)
+        assert wait_for(
+            lambda before=before: counter(url, "dpmesh_router_requests_total") > before, timeout=5
+        )
     return streams, plains
 
 
@@ -621,7 +622,8 @@ def test_dead_worker_is_taken_out_requests_go_elsewhere_and_it_comes_back(cluste
     cluster.spare = start_engine_on(cluster.tmp, cluster.spare_port, 1, "spare-restarted")
     for router_url in (url, cluster.url):
         assert wait_for(
-            lambda: spare_target in healthy_targets(router_url), timeout=HEALTH_INTERVAL_S * 2 + 2
+            lambda router_url=router_url: spare_target in healthy_targets(router_url),
+            timeout=HEALTH_INTERVAL_S * 2 + 2,
         )
     workers = httpx.get(url + "/workers", timeout=5).json()["workers"]
     assert next(w["health"] for w in workers if w["url"] == cluster.spare.url) == "healthy"

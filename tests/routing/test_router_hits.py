@@ -56,7 +56,7 @@ def fleet(engine, tmp_path):
 
 
 def tokenizer():
-    from apps.routing.digests import load_tokenizer
+    from apps.routing.request_shape import load_tokenizer
     from engine.tiny import ensure_tiny_model
 
     return load_tokenizer(str(ensure_tiny_model()))
@@ -127,5 +127,6 @@ def test_multi_turn_chat_gets_the_oracle_and_stays_balanced(fleet):
     # note); this asserts what holds every time: no pile-up like SGLang's 4.0 on 4 ranks.
     assert balance(dict(enumerate(load))) <= 1.25, f"per-rank prompt tokens {load}"
     print(
-        f"multi-turn: cached {cached} / oracle {oracle} = {cached / oracle:.3f}; per-rank prompt tokens {load}"
+        f"multi-turn: cached {cached} / oracle {oracle} = {cached / oracle:.3f}; "
+        f"per-rank prompt tokens {load}"
     )

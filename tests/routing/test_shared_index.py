@@ -1,5 +1,6 @@
-"""Several router processes share their prefix-index inserts and load through Redis: a prompt routed by
-one process is a predicted hit (and goes to the same rank) when it comes back through another."""
+"""Several router processes share their prefix-index inserts and load through Redis: a prompt
+routed by one process is a predicted hit (and goes to the same rank) when it comes back through
+another."""
 
 from __future__ import annotations
 
@@ -75,7 +76,7 @@ def test_routing_inserts_are_queued_without_waiting(monkeypatch):
     router = Router(RouterConfig(tokenizer_path=None))
     router.fleet.put(worker_view(1, url="http://w1", dp_size=2, block_size=None))
     sync = IndexSync(router, "redis://unused")
-    router.index_listeners.append(sync.on_insert)
+    router.observers.append(sync)
     routed = router.route({"prompt": "x" * 300}, False, None)
     assert [key for key, _ in sync.pending] == [routed.target.key] and sync.wakeup.is_set()
 
@@ -90,9 +91,8 @@ def test_load_snapshots_publish_own_load_and_apply_others():
     t1.load.set_peer("elsewhere", 7, 700, 70)  # what others published is never published again
     snapshot = sync.load_snapshot()
     assert list(snapshot) == ["http://w1@0"] and snapshot["http://w1@0"][:4] == [1, 120, 80, 0.0]
-    assert snapshot["http://w1@0"][4] == pytest.approx(
-        1.0, abs=0.01
-    )  # recent requests decay in real time
+    # recent requests decay in real time
+    assert snapshot["http://w1@0"][4] == pytest.approx(1.0, abs=0.01)
 
     own = json.dumps({"from": sync.origin, "load": {"http://w1@1": [5, 5, 5, 0, 0]}})
     assert sync.apply(own) == 0 and t1.load.peer_requests == 7
@@ -110,9 +110,8 @@ def test_load_snapshots_publish_own_load_and_apply_others():
         420,
         180,
     )
-    assert (
-        t0.load.active_sessions() == pytest.approx(1.5, rel=1e-3) and sync.load_applied == 1
-    )  # decays meanwhile
+    # decays meanwhile
+    assert t0.load.active_sessions() == pytest.approx(1.5, rel=1e-3) and sync.load_applied == 1
     assert sync.apply(json.dumps({"from": "b", "load": {}})) == 0  # b's load on w1@0 is over
     assert t0.load.inflight == 1 and "b" in sync.peer_seen
 
@@ -125,9 +124,8 @@ def test_load_snapshots_publish_own_load_and_apply_others():
 
 @pytest.mark.slow
 def test_a_prompt_routed_by_one_router_process_is_a_hit_through_another(tmp_path, redis_url):
-    prompts = [
-        [p] * 8 + list(range(100 + 10 * p, 300 + 10 * p)) for p in range(4)
-    ]  # 208 tokens, 12 blocks each
+    # 208 tokens, 12 blocks each
+    prompts = [[p] * 8 + list(range(100 + 10 * p, 300 + 10 * p)) for p in range(4)]
     with start_engine(tmp_path, "--dp-size", "2", "--num-kv-blocks", "256") as engine:
         with two_routers(tmp_path, engine.url, redis_url) as (a, b):
             assert (
@@ -178,9 +176,8 @@ def test_router_processes_balance_the_fleet_together(tmp_path, redis_url):
                 )
                 assert counter(b.url, "dpmesh_router_peers") == 1
                 placed = []
-                for i in range(
-                    2
-                ):  # short answers: b's own load is back to zero before the next one
+                # short answers: b's own load is back to zero before the next one
+                for i in range(2):
                     r = httpx.post(
                         b.url + "/v1/completions",
                         timeout=30,

@@ -1,83 +1,25 @@
-"""Real server processes for tests: start, wait until healthy, read logs, stop."""
+"""Real server processes for tests: the shared helpers (bench/procs.py) plus the engine and its
+metrics."""
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from bench.procs import REPO_ROOT, ServerProcess, free_port, start
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@dataclass
-class ServerProcess:
-    proc: subprocess.Popen
-    url: str
-    log_path: Path
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.stop()
-
-
-def start(
-    cmd: list[str],
-    url: str,
-    log_path: Path,
-    health: str = "/health",
-    timeout: float = 180.0,
-    env: dict | None = None,
-) -> ServerProcess:
-    """Start ``cmd`` (logs to ``log_path``) and wait until ``url + health`` answers 200."""
-    log = open(log_path, "wb")
-    proc = subprocess.Popen(
-        cmd,
-        cwd=REPO_ROOT,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env={**os.environ, **(env or {})},
-        start_new_session=True,
-    )
-    server = ServerProcess(proc, url, log_path)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{cmd[:4]} exited with {proc.returncode}:\n{server.log()[-4000:]}")
-        try:
-            if httpx.get(url + health, timeout=2).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    server.stop()
-    raise RuntimeError(f"{cmd[:4]} not healthy after {timeout}s:\n{server.log()[-4000:]}")
+__all__ = [
+    "REPO_ROOT",
+    "ServerProcess",
+    "free_port",
+    "start",
+    "start_engine",
+    "metrics",
+    "wait_for",
+]
 
 
 def start_engine(

@@ -20,8 +20,7 @@ from datetime import timedelta
 from django.conf import settings
 from django.utils import timezone
 
-from apps.replicas.models import RankSample, Worker
-from apps.routing.persist import unpersisted
+from apps.replicas.models import RankSample, Worker, target_key
 
 
 def _rate(num, den):
@@ -56,7 +55,7 @@ def series(rank_keys: dict[int, str], window_s: float, max_points: int = 300) ->
         "fleet": [],
         "requests_per_s": [],
     }
-    for before, after in zip(times, times[1:]):
+    for before, after in zip(times, times[1:], strict=False):
         a, b = by_time[before], by_time[after]
         dt = (after - before).total_seconds()
         d_req = d_prompt = d_cached = 0
@@ -66,7 +65,7 @@ def series(rank_keys: dict[int, str], window_s: float, max_points: int = 300) ->
                 # a restarted engine counts from zero again: then the new value is the difference
                 dr, dp, dc = (
                     new - old if new >= old else new
-                    for old, new in zip(a[rank_id][:3], b[rank_id][:3])
+                    for old, new in zip(a[rank_id][:3], b[rank_id][:3], strict=True)
                 )
                 d_req, d_prompt, d_cached = d_req + dr, d_prompt + dp, d_cached + dc
                 out["ranks"][key].append(_rate(dc, dp))
@@ -105,11 +104,11 @@ def build_snapshot(router) -> dict:
         health = w.health if view is None else ("healthy" if view.healthy else "unhealthy")
         ranks = []
         for row in sorted(w.ranks.all(), key=lambda r: -1 if r.rank is None else r.rank):
-            key = w.url.rstrip("/") if row.rank is None else f"{w.url.rstrip('/')}@{row.rank}"
+            key = target_key(w.url, row.rank)
             rank_keys[row.id] = key
             target, sample = targets.get(key), latest.get(row.id)
             # every router process's persisted counts, plus what this one has not written yet
-            delta = unpersisted(router, key)
+            delta = router.stats.unwritten(key)
             requests = row.requests + delta["requests"]
             prompt = row.prompt_tokens + delta["prompt_tokens"]
             predicted = row.predicted_tokens + delta["predicted_tokens"]

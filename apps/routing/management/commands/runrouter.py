@@ -3,7 +3,7 @@
 from django.core.management import call_command
 from django.core.management.base import BaseCommand
 
-from apps.replicas.serving import add_router_arguments, ensure_admin_user, serve_router
+from apps.routing.process import add_router_arguments, ensure_admin_user, serve_router
 
 
 class Command(BaseCommand):
@@ -20,7 +20,8 @@ class Command(BaseCommand):
         serve_router(
             options,
             on_ready=lambda: self.stdout.write(
-                f"Router on http://{host}:{port}; dashboard http://{host}:{port}/dashboard/ ({admin})",
+                f"Router on http://{host}:{port}; "
+                f"dashboard http://{host}:{port}/dashboard/ ({admin})",
                 ending="\n",
             ),
         )

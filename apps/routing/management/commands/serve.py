@@ -11,7 +11,8 @@ from django.conf import settings
 from django.core.management import call_command
 from django.core.management.base import BaseCommand
 
-from apps.replicas.serving import ensure_admin_user, serve_router
+from apps.routing.policies import POLICY_NAMES
+from apps.routing.process import ensure_admin_user, serve_router
 
 
 class Command(BaseCommand):
@@ -29,7 +30,7 @@ class Command(BaseCommand):
         parser.add_argument(
             "--policy",
             default=None,
-            choices=["cache_aware", "round_robin", "random", "power_of_two"],
+            choices=POLICY_NAMES,
         )
         parser.add_argument(
             "--api-key",
@@ -76,7 +77,8 @@ class Command(BaseCommand):
             f"\n  OpenAI API   {url}/v1  (e.g. curl {url}/v1/chat/completions -d "
             f'\'{{"messages":[{{"role":"user","content":"hi"}}]}}\')\n'
             f"  Dashboard    {url}/dashboard/  ({admin})\n  Admin        {url}/admin/\n"
-            f"  Workers API  {url}/workers\n  Metrics      {url}/metrics\n  Engine       {engine_url} "
+            f"  Workers API  {url}/workers\n  Metrics      {url}/metrics\n"
+            f"  Engine       {engine_url} "
             f"(dp_size {o['dp_size']}; the router discovers it when it is ready)\n"
         )
         try:

@@ -3,7 +3,7 @@
 
 import pytest
 
-from apps.replicas.circuit import CircuitBreaker
+from apps.routing.circuit import CircuitBreaker
 from tests.routing.helpers import Clock
 
 
@@ -101,9 +101,8 @@ def test_half_open_lets_one_trial_through_at_a_time(breaker, clock):
     assert breaker.allows() and breaker.dispatched()  # the next trial
     breaker.record_success()
     breaker.trial_done()
-    assert (
-        breaker.state == "closed" and breaker.allows() and not breaker.dispatched()
-    )  # closed: no trials
+    # closed: no trials
+    assert breaker.state == "closed" and breaker.allows() and not breaker.dispatched()
     assert breaker.allows()
 
 

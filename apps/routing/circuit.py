@@ -46,7 +46,8 @@ class CircuitBreaker:
         return False
 
     def trial_done(self) -> None:
-        """The trial request ended (whatever its outcome; success and failure are recorded apart)."""
+        """The trial request ended (whatever its outcome: success and failure are recorded
+        apart)."""
         self.trial_in_flight = False
 
     def record_success(self) -> None:

@@ -1,16 +1,20 @@
 """The router's in-memory view of who serves: the hot path reads this, never the database.
 
-The database (``Worker``, ``Rank``) is the durable record; ``Fleet.load_worker`` turns one row
-into routing targets: one per DP rank when the worker is dp-aware, else one for the worker.
+The database (``Worker``, ``Rank``) is the durable record; ``view_of`` reads one row and
+``Fleet.put`` turns it into routing targets: one per DP rank when the worker is dp-aware, else
+one for the worker.
 """
 
 from __future__ import annotations
 
+import os
 import random
 from dataclasses import dataclass, field
 
-from apps.replicas.circuit import CircuitBreaker
+from apps.replicas.models import target_key
+from apps.routing.circuit import CircuitBreaker
 from apps.routing.load import RankLoad
+from engine.digests import SCHEME
 
 
 @dataclass
@@ -27,12 +31,10 @@ class WorkerView:
     capacity_blocks: int | None
     healthy: bool = True
     draining: bool = False
-    instance_id: str | None = (
-        None  # changes when the engine restarts (its prefix caches are then empty)
-    )
-    kv_events: str | None = (
-        None  # the engine's KV events path, when its digests are the router's own
-    )
+    # changes when the engine restarts (its prefix caches are then empty)
+    instance_id: str | None = None
+    # the engine's KV events path, when its digests are the router's own
+    kv_events: str | None = None
     consecutive_failures: int = 0
     consecutive_successes: int = 0
 
@@ -49,7 +51,7 @@ class Target:
 
     @property
     def key(self) -> str:
-        return self.worker.url if self.rank is None else f"{self.worker.url}@{self.rank}"
+        return target_key(self.worker.url, self.rank)
 
     @property
     def available(self) -> bool:
@@ -63,6 +65,9 @@ class Fleet:
         self.workers: dict[int, WorkerView] = {}
         self.targets: dict[int, list[Target]] = {}
         self.rng = random.Random()
+        # True while the process start-up is still restoring it from the database and adding
+        # the given workers (apps/routing/process.py): /health answers 503 "starting" meanwhile
+        self.loading = False
 
     def put(self, view: WorkerView, rank_ids: dict[int | None, int] | None = None) -> list[Target]:
         """Add or replace a worker. Targets that survive keep their load, breaker and position."""
@@ -98,3 +103,31 @@ class Fleet:
     def by_url(self, url: str) -> WorkerView | None:
         url = url.rstrip("/")
         return next((w for w in self.workers.values() if w.url == url), None)
+
+
+def view_of(worker, tokenizer_path: str | None = None) -> WorkerView:
+    """A routing view of a ``Worker`` row. Token digests need the engine's block size and a
+    tokenizer this host can load: the worker's own model path, or ``tokenizer_path``."""
+    info = worker.server_info or {}
+    path = tokenizer_path or info.get("model_path") or info.get("tokenizer_path")
+    if path and not os.path.isdir(path):
+        path = None
+    block = info.get("block_size") or info.get("page_size")
+    ours = path and block and info.get("prefix_digest") == SCHEME
+    aliases = {a for a in (worker.served_model_name, worker.model_id, info.get("model_path")) if a}
+    return WorkerView(
+        worker_id=worker.id,
+        url=worker.url.rstrip("/"),
+        api_key=worker.api_key,
+        model=worker.model_name,
+        model_aliases=aliases,
+        dp_size=worker.dp_size,
+        dp_aware=worker.dp_aware,
+        block_size=block if path else None,
+        tokenizer_path=path,
+        capacity_blocks=info.get("num_kv_blocks_per_rank"),
+        draining=worker.draining,
+        instance_id=info.get("instance_id"),
+        kv_events=info.get("kv_events") if ours else None,
+        healthy=worker.health != worker.Health.UNHEALTHY,
+    )

@@ -1,0 +1,117 @@
+"""One dispatched request, from the routing decision to its end.
+
+``Router.route`` chooses a target, commits (begins the target's load, inserts the request's blocks
+into the index, tells the observers) and returns a ``Dispatch``. From then on the dispatch owns the
+request's two ends, each happening once however the request goes:
+
+- ``first_token``: the engine has computed the prompt (its first token arrived): the prefill no
+  longer weighs on the target's queue, and the time to first token is observed;
+- ``finish``: the request ended (``ok``, with the engine's usage; or an error; or ``aborted``: the
+  client left first). The load ends, the latency is observed, the circuit breaker and the stats
+  are told.
+
+Both ends tell the ``DispatchObserver``s that the prefill is over (a request that ends before its
+first token has given up on it). The load ticket is the one record of which ends have happened.
+The proxy (apps/routing/upstream.py) calls ``finish`` from one ``finally`` per attempt; nothing
+else ends a request's load.
+"""
+
+from __future__ import annotations
+
+import abc
+import time
+
+from apps.routing.fleet import Target
+from apps.routing.load import LoadTicket
+from apps.routing.request_shape import RequestShape
+from apps.routing.stats import RouterStats
+
+
+class DispatchObserver(abc.ABC):
+    """Told of every routing decision and of every request's prefill end, on the event loop
+    (implementations must not block: the shared index queues, the KV-event feed counts)."""
+
+    @abc.abstractmethod
+    def routed(self, key: str, digests: list[int]) -> None:
+        """A request with these block digests was just sent to target ``key``."""
+
+    def prefilled(self, key: str, digests: list[int]) -> None:  # noqa: B027 (optional hook)
+        """That request's prompt is computed (first token) or abandoned (it ended first)."""
+
+    def metric_families(self):
+        """Prometheus metric families about this observer, for the router's /metrics."""
+        return ()
+
+
+class Dispatch:
+    """A request sent to ``target``: what the index predicted, its load ticket, its timing."""
+
+    __slots__ = ("target", "shape", "predicted_tokens", "ticket", "trial", "started", "_stats",
+                 "_observers")  # fmt: skip
+
+    def __init__(
+        self,
+        target: Target,
+        shape: RequestShape,
+        predicted_tokens: int,
+        ticket: LoadTicket,
+        *,
+        trial: bool,
+        stats: RouterStats,
+        observers: list[DispatchObserver],
+    ):
+        self.target, self.shape, self.predicted_tokens = target, shape, predicted_tokens
+        self.ticket = ticket
+        self.trial = trial  # the half-open circuit's one trial request
+        self.started = time.perf_counter()
+        self._stats, self._observers = stats, observers
+
+    @property
+    def prefill_tokens(self) -> int:
+        """The prompt tokens the index expected the engine to compute (not cached there)."""
+        return self.ticket.prefill_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.ticket.ended
+
+    def first_token(self) -> None:
+        """The first token arrived (idempotent; a no-op once finished)."""
+        if self.ticket.prefilled:
+            return
+        self.target.load.first_token(self.ticket)
+        self._tell_prefilled()
+        self._stats.ttft.observe(time.perf_counter() - self.started)
+
+    def finish(self, *, ok: bool, usage: dict | None = None, aborted: bool = False) -> None:
+        """End the request (idempotent). ``usage``: the engine's, for its cached tokens;
+        ``aborted``: the client left first (not the target's error)."""
+        if self.ticket.ended:
+            return
+        if not self.ticket.prefilled:
+            self._tell_prefilled()
+        self.target.load.end(self.ticket)
+        self._stats.latency.observe(time.perf_counter() - self.started)
+        breaker = self.target.breaker
+        if ok:
+            breaker.record_success()
+        if self.trial:
+            breaker.trial_done()
+        details = (usage or {}).get("prompt_tokens_details") or {}
+        self._stats.finished(
+            self.target.key,
+            ok=ok,
+            cached_tokens=details.get("cached_tokens") if usage else None,
+            aborted=aborted and not ok,
+        )
+
+    def unreachable(self) -> None:
+        """The target failed before answering anything (refused, reset, a retryable status):
+        it counts against its circuit breaker, and the proxy tries another target."""
+        self.target.breaker.record_failure()
+        self.finish(ok=False)
+        self._stats.retries += 1
+
+    def _tell_prefilled(self) -> None:
+        for observer in self._observers:
+            observer.prefilled(self.target.key, self.shape.digests)

@@ -1,0 +1,68 @@
+"""The OpenAI proxy endpoints as a plain ASGI app, in front of Django.
+
+``/v1/completions`` and ``/v1/chat/completions`` are the router's hot path. Django's middleware
+stack runs its hooks through thread hops (measured: ~13 per request, ~5 ms added at p50), which
+these two endpoints do not need: they have no session, no CSRF, no templates. So
+``controlplane.asgi`` sends exactly these paths here and everything else to Django.
+
+This app takes the request in (access control, method, body) and hands it to
+``upstream.proxy_request``, which routes, sends and relays it. Access control is checked from the
+scope's headers before the body is read: when API keys are configured (apps/replicas/auth.py) a
+request without one of them is answered 401.
+"""
+
+from __future__ import annotations
+
+import json
+
+from apps.replicas.auth import INVALID_API_KEY_BODY, api_key_allowed, scope_authorization
+from apps.routing.router import Router
+from apps.routing.upstream import ProxyError, proxy_request
+from engine.server.asgi import BodyTooLarge, ClientGone, read_body, send_body, until_disconnect
+
+PATHS = {"/v1/completions": False, "/v1/chat/completions": True}  # path -> chat?
+MAX_BODY_BYTES = 16 * 2**20
+
+
+class OpenAIEndpoint:
+    """The ASGI app of ``PATHS``, serving through ``router``."""
+
+    def __init__(self, router: Router):
+        self.router = router
+
+    async def __call__(self, scope, receive, send) -> None:
+        path, stats = scope["path"], self.router.stats
+
+        async def send(message, send=send):  # counts every answer by status for /metrics
+            if message["type"] == "http.response.start":
+                stats.responded(path, message["status"])
+            await send(message)
+
+        if not api_key_allowed(scope_authorization(scope)):
+            auth = [(b"www-authenticate", b"Bearer")]
+            await send_body(send, 401, INVALID_API_KEY_BODY, headers=auth)
+            return
+        try:
+            if scope["method"] != "POST":
+                raise ProxyError(405, f"{scope['method']} {path} is not served here")
+            body = parse(await read_body(receive, MAX_BODY_BYTES))
+        except ClientGone:
+            return
+        except BodyTooLarge as exc:
+            await send_body(send, 413, ProxyError(413, str(exc)).body())
+            return
+        except ProxyError as exc:
+            await send_body(send, exc.status, exc.body())
+            return
+        work = proxy_request(self.router, body, chat=PATHS[path], path=path, send=send)
+        await until_disconnect(work, receive)
+
+
+def parse(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ProxyError(400, f"the request body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise ProxyError(400, "the request body must be a JSON object")
+    return body

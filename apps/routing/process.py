@@ -1,0 +1,233 @@
+"""Running a router process: build its Router once, restore and discover workers, start the
+background loops (daphne runs no ASGI lifespan, so they start here), serve under daphne.
+
+``manage.py runrouter`` and ``serve`` call ``serve_router``; everything the process runs is
+composed here, in ``RouterProcess``, and handed the router it needs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import logging
+
+from django.conf import settings
+
+from apps.replicas.services import worker_add
+from apps.routing import jobs
+from apps.routing.fleet_sync import FleetSync
+from apps.routing.health import health_loop
+from apps.routing.kv_events import KVEventsFeed
+from apps.routing.persist import stats_loop
+from apps.routing.policies import POLICY_NAMES
+from apps.routing.router import Router, RouterConfig
+from apps.routing.services import policy_adopt
+from apps.routing.shared_index import IndexSync
+from controlplane import http
+
+logger = logging.getLogger("apps.router")
+
+DEFAULT_ROUTER_PORT = 30000
+
+
+def add_router_arguments(
+    parser: argparse.ArgumentParser, *, port: int = DEFAULT_ROUTER_PORT
+) -> None:
+    parser.add_argument("--worker-urls", nargs="*", default=[], help="engine URLs to route to")
+    parser.add_argument(
+        "--dp-aware",
+        action="store_true",
+        help="one target per DP rank (from /server_info dp_size); inject data_parallel_rank",
+    )
+    parser.add_argument("--policy", default=None, choices=POLICY_NAMES)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=port)
+    parser.add_argument(
+        "--tokenizer-path",
+        default=None,
+        help="tokenizer for digests when workers' model paths are not readable here",
+    )
+    parser.add_argument(
+        "--cache-threshold", type=float, default=None, help="accepted for SGLang compatibility"
+    )
+    parser.add_argument(
+        "--balance-abs-threshold", type=int, default=None, help="accepted for SGLang compatibility"
+    )
+    parser.add_argument(
+        "--balance-rel-threshold",
+        type=float,
+        default=None,
+        help="accepted for SGLang compatibility",
+    )
+    parser.add_argument(
+        "--decode-weight",
+        type=float,
+        default=None,
+        help="cache_aware: prefill-token cost of each request already running on a rank",
+    )
+    parser.add_argument("--health-check-interval-secs", type=float, default=None)
+    parser.add_argument("--health-failure-threshold", type=int, default=None)
+    parser.add_argument("--health-success-threshold", type=int, default=None)
+    parser.add_argument("--request-timeout-secs", type=float, default=None)
+    parser.add_argument("--max-retries", type=int, default=None)
+    parser.add_argument("--prefix-ttl-secs", type=float, default=None)
+    parser.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on /v1/completions, /v1/chat/completions and "
+        "/v1/models (repeatable; vLLM's flag; replaces CONTROL_PLANE_API_KEYS)",
+    )
+    parser.add_argument(
+        "--admin-key",
+        action="append",
+        default=None,
+        metavar="KEY",
+        help="Bearer key for the workers API's mutations, besides a staff session (repeatable; "
+        "replaces CONTROL_PLANE_ADMIN_KEYS)",
+    )
+
+
+class RouterProcess:
+    """One router process: its router and everything that runs beside the requests.
+
+    ``start`` (on the server's loop, before the first request is served) restores the fleet
+    from the database, adds ``worker_urls`` (discovered now or, if not up yet, by the health
+    loop), adopts the recorded policy unless ``--policy`` was given, then starts the loops:
+    health checks, stats persistence, the database sync, the engines' KV events, the shared index
+    (with ``REDIS_URL``), and without a broker the periodic jobs. Until it is done, the fleet says
+    is ``loading`` and /health answers 503 ``starting``.
+    """
+
+    def __init__(self, router: Router, worker_urls: list[str], policy_flag: str | None = None):
+        self.router, self.worker_urls, self.policy_flag = router, worker_urls, policy_flag
+        router.fleet.loading = True  # from before the socket listens until start() is done
+        self.fleet_sync = FleetSync(router)
+        self.index_sync: IndexSync | None = None
+        # the loop keeps only weak references to tasks: the process holds them for its life
+        self.tasks: list[asyncio.Task] = []
+
+    async def start(self) -> list[asyncio.Task]:
+        router = self.router
+        jobs.notify_on(asyncio.get_running_loop())
+        try:
+            restored = await self.fleet_sync.sync()
+            for url in self.worker_urls:
+                await worker_add(url=url, strict=False, runtime=router)
+            await policy_adopt(router=router, flag=self.policy_flag)
+        except Exception:  # /health stays 503: this process has no fleet to serve
+            logger.exception("router startup failed")
+            raise
+        loops = [health_loop(router), stats_loop(router), self.fleet_sync.run()]
+        if settings.CONTROL_PLANE["KV_EVENTS"]:
+            loops.append(KVEventsFeed(router).run())  # it observes the router's dispatches
+        if jobs.embedded():
+            loops.append(jobs.embedded_jobs_loop())
+        if settings.REDIS_URL and settings.CONTROL_PLANE["SHARE_INDEX"]:
+            # one channel per control plane: the processes that share a database share an index
+            channel = f"dpmesh:index:{settings.DATABASES['default']['NAME']}"
+            self.index_sync = IndexSync(router, settings.REDIS_URL, channel)
+            self.tasks += self.index_sync.start()
+        logger.info(
+            "router ready: %d workers restored, %d given; policy %s, %s; periodic jobs %s",
+            restored,
+            len(self.worker_urls),
+            router.config.policy,
+            "dp-aware" if router.config.dp_aware else "worker-level",
+            "in this process" if jobs.embedded() else "on the Celery worker (REDIS_URL)",
+        )
+        if self.index_sync is not None:
+            logger.info("prefix index and load shared with the other router processes (Redis)")
+        # Everything loaded so far (Django, transformers, the fleet) lives as long as the process:
+        # keep it out of the collector's full passes, which otherwise stall the event loop for
+        # tens of ms (measured: p99 55 -> 3.6 ms at one connection, docs/benchmarks.md)
+        gc.collect()
+        gc.freeze()
+        router.fleet.loading = False  # after the lines above: whoever sees /health 200 reads them
+        self.tasks += [asyncio.ensure_future(loop) for loop in loops]
+        return self.tasks
+
+    async def stop(self) -> None:
+        """On shutdown: tell the other router processes (if any) to stop counting this one's
+        load, and close this loop's outbound connections."""
+        if self.index_sync is not None:
+            await self.index_sync.goodbye()
+        await http.client.aclose()
+
+
+def serve_router(opts: dict, on_ready=None) -> None:
+    """Run a router process (blocking) until SIGINT/SIGTERM."""
+    for flag, name in (("api_key", "API_KEYS"), ("admin_key", "ADMIN_KEYS")):
+        if opts.get(
+            flag
+        ):  # a new dict: the settings' default stays untouched for whoever copied it
+            settings.CONTROL_PLANE = {**settings.CONTROL_PLANE, name: ",".join(opts[flag])}
+    from daphne.server import Server  # installs the asyncio reactor first
+    from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler
+    from twisted.internet import reactor
+    from twisted.internet.defer import Deferred
+
+    from controlplane.asgi import build_application
+
+    router = Router(RouterConfig.from_options(opts))
+    process = RouterProcess(router, list(opts.get("worker_urls") or []), opts.get("policy"))
+    loop = reactor._asyncioEventloop
+    loop.call_soon(lambda: asyncio.ensure_future(process.start()))
+    host, port = opts.get("host") or "127.0.0.1", opts.get("port") or DEFAULT_ROUTER_PORT
+    app = _with_static(build_application(router), ASGIStaticFilesHandler)
+    reactor.addSystemEventTrigger(
+        "before", "shutdown", lambda: Deferred.fromFuture(asyncio.ensure_future(process.stop()))
+    )
+    if on_ready:
+        loop.call_soon(on_ready)
+    Server(
+        application=app,
+        endpoints=[f"tcp:port={port}:interface={host}"],
+        signal_handlers=True,
+        verbosity=0,
+        application_close_timeout=5,
+    ).run()
+
+
+def _with_static(application, handler):
+    """Serve the admin's and dashboard's static files from the app itself (no CDN, no nginx)."""
+    static_http = handler(application.application_mapping["http"])
+
+    async def app(scope, receive, send):
+        if scope["type"] == "http":
+            return await static_http(scope, receive, send)
+        return await application(scope, receive, send)
+
+    return app
+
+
+def ensure_admin_user() -> str:
+    """Create the first admin from ``DJANGO_SUPERUSER_USERNAME`` / ``DJANGO_SUPERUSER_PASSWORD``
+    (/ ``DJANGO_SUPERUSER_EMAIL``; Django's own names) when set and absent. Returns one line for
+    the banner: who can log in, or how to create someone who can."""
+    import os
+
+    from django.contrib.auth import get_user_model
+    from django.core.management import call_command
+
+    users = get_user_model().objects
+    name = os.environ.get("DJANGO_SUPERUSER_USERNAME", "").strip()
+    if (
+        name
+        and os.environ.get("DJANGO_SUPERUSER_PASSWORD")
+        and not users.filter(username=name).exists()
+    ):
+        os.environ.setdefault("DJANGO_SUPERUSER_EMAIL", "")
+        call_command("createsuperuser", interactive=False, username=name, verbosity=0)
+        return (
+            f"admin user {name!r} created from DJANGO_SUPERUSER_USERNAME / "
+            "DJANGO_SUPERUSER_PASSWORD"
+        )
+    if users.filter(is_staff=True, is_active=True).exists():
+        return "log in with a staff account"
+    return (
+        "no admin user yet: run `python manage.py createsuperuser`, or start with "
+        "DJANGO_SUPERUSER_USERNAME and DJANGO_SUPERUSER_PASSWORD set"
+    )

@@ -1,0 +1,236 @@
+"""One OpenAI request's life behind the router: route, send, relay, end; retry elsewhere while
+nothing has reached the client.
+
+``proxy_request`` is the whole story, in order:
+
+1. ``Router.route`` picks a target and returns a ``Dispatch`` (apps/routing/dispatch.py), which
+   owns the request's two ends;
+2. ``_attempt`` posts the body (the rank injected) to the target's engine and relays the answer:
+   a JSON body as it is, or the SSE stream event by event (the first event is the first token);
+   its one ``finally`` ends the dispatch, however the attempt ends;
+3. an attempt that failed before anything reached the client (refused or reset, a connect
+   timeout, 408/429/500/502/503/504) is retried on another target, with exponential backoff. A
+   read timeout is not retried: the engine may be generating, and a retry would run it twice.
+
+The router asks for the engine's usage on every stream (to learn its cached tokens); when the
+client did not ask for it, the usage-only event is dropped on the way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+
+import aiohttp
+
+from apps.routing.dispatch import Dispatch
+from apps.routing.router import NoTarget, Router
+from controlplane import http
+from controlplane.errors import error_bytes
+from engine.server.asgi import SSE_HEADERS, end_body, send_body, send_chunk
+
+logger = logging.getLogger(__name__)
+
+RETRYABLE = {408, 429, 500, 502, 503, 504}
+
+
+class ProxyError(Exception):
+    """An error answer for the client; ``raw`` is an upstream's own error body, passed on as is."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        raw: bytes | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.message, self.type, self.raw = status, message, type, raw
+
+    def body(self) -> bytes:
+        return (
+            self.raw if self.raw is not None else error_bytes(self.status, self.message, self.type)
+        )
+
+
+class Ending:
+    """How an attempt ended, filled in as it goes and read once by its ``finally``."""
+
+    __slots__ = ("ok", "usage", "aborted", "unreachable")
+
+    def __init__(self):
+        self.ok = self.aborted = self.unreachable = False
+        self.usage: dict | None = None
+
+    def apply(self, dispatch: Dispatch) -> None:
+        if self.unreachable:
+            dispatch.unreachable()
+        else:
+            dispatch.finish(ok=self.ok, usage=self.usage, aborted=self.aborted)
+
+
+async def proxy_request(router: Router, body: dict, *, chat: bool, path: str, send) -> None:
+    """Serve one request through the router; cancelled when the client disconnects."""
+    model = body.get("model") if isinstance(body.get("model"), str) else None
+    tried: set[str] = set()
+    last: ProxyError | None = None
+    for attempt in range(router.config.max_retries + 1):
+        try:
+            dispatch = router.route(body, chat, model, exclude=tried)
+        except NoTarget as exc:
+            error = last or ProxyError(503, str(exc), "server_error")
+            await send_body(send, error.status, error.body())
+            return
+        tried.add(dispatch.target.key)
+        last_try = attempt == router.config.max_retries
+        retry = await _attempt(router, dispatch, body, path, send, last_try=last_try)
+        if retry is None:
+            return
+        last = retry
+        logger.warning("retrying after %s (attempt %d)", retry.message, attempt + 1)
+        backoff = router.config.retry_backoff_s * (1.5**attempt) * (1 + 0.2 * random.random())
+        await asyncio.sleep(backoff)
+    await send_body(send, last.status, last.body())
+
+
+async def _attempt(
+    router: Router, dispatch: Dispatch, body: dict, path: str, send, *, last_try: bool
+) -> ProxyError | None:
+    """Send the request to the dispatch's target and relay the answer to the client. Returns
+    the error to retry on another target when nothing reached the client, else None."""
+    target, config = dispatch.target, router.config
+    stream = body.get("stream") is True
+    ending = Ending()
+    response = None
+    try:
+        try:
+            response = await http.client.get().post(
+                target.worker.url + path,
+                data=upstream_payload(body, dispatch, stream),
+                headers={
+                    "content-type": "application/json",
+                    **http.auth_headers(target.worker.api_key),
+                },
+                timeout=http.timeout(
+                    connect=config.connect_timeout_s, read=config.request_timeout_s
+                ),
+            )
+        except aiohttp.ConnectionTimeoutError as exc:
+            ending.unreachable = True
+            return ProxyError(
+                504, f"upstream {target.key} timed out connecting: {exc!r}", "server_error"
+            )
+        except (TimeoutError, aiohttp.SocketTimeoutError) as exc:
+            # The request reached the engine and may be generating: retrying would run it twice.
+            error = ProxyError(504, f"upstream {target.key} timed out: {exc!r}", "server_error")
+            await send_body(send, error.status, error.body())
+            return None
+        except aiohttp.ClientError as exc:
+            ending.unreachable = True
+            return ProxyError(502, f"upstream {target.key} unreachable: {exc!r}", "server_error")
+        if response.status in RETRYABLE and not last_try:
+            ending.unreachable = True
+            raw = await response.read()
+            message = f"upstream {target.key} answered {response.status}"
+            return ProxyError(response.status, message, "server_error", raw=raw or None)
+        headers = _route_headers(dispatch, response)
+        content_type = response.headers.get("content-type", "application/json")
+        if response.status == 200 and stream and content_type.startswith("text/event-stream"):
+            await _relay_stream(dispatch, response, _wants_usage(body), send, headers, ending)
+        else:
+            try:
+                content = await response.read()
+            except (TimeoutError, aiohttp.ClientError) as exc:
+                error = ProxyError(502, f"upstream {target.key} failed: {exc!r}", "server_error")
+                await send_body(send, error.status, error.body())
+                return None
+            ending.ok = response.status < 400
+            ending.usage = _usage(content) if ending.ok else None
+            await send_body(send, response.status, content, content_type.encode(), headers)
+        return None
+    except asyncio.CancelledError:  # the client left
+        ending.aborted = True
+        raise
+    finally:
+        if response is not None:
+            response.release()
+        ending.apply(dispatch)
+
+
+async def _relay_stream(dispatch, response, client_wants_usage: bool, send, headers, ending):
+    """Relay the SSE events as they arrive; a failure mid-stream ends it with an error event."""
+    await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS + headers})
+    buffer = b""
+    try:
+        async for chunk in response.content.iter_any():
+            buffer += chunk
+            while b"\n\n" in buffer:
+                event, buffer = buffer.split(b"\n\n", 1)
+                dispatch.first_token()  # once: the first event
+                found = usage_of(event)
+                if found is not None:
+                    ending.usage = found
+                    if not client_wants_usage and is_usage_only(event):
+                        continue
+                await send_chunk(send, event + b"\n\n")
+        if buffer:
+            await send_chunk(send, buffer)
+        ending.ok = True
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        key = dispatch.target.key
+        error = ProxyError(502, f"upstream {key} failed mid-stream: {exc!r}", "server_error")
+        await send_chunk(send, b"data: " + error.body() + b"\n\ndata: [DONE]\n\n")
+    await end_body(send)
+
+
+def upstream_payload(body: dict, dispatch: Dispatch, stream: bool) -> bytes:
+    payload = dict(body)
+    if dispatch.target.rank is not None:
+        payload.pop("data-parallel-rank", None)
+        payload["data_parallel_rank"] = dispatch.target.rank
+    if stream:
+        payload["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+    return json.dumps(payload).encode()
+
+
+def _route_headers(dispatch: Dispatch, response) -> list:
+    headers = [(b"x-routed-target", dispatch.target.key.encode())]
+    rank = dispatch.target.rank
+    if rank is None:
+        rank = response.headers.get("x-data-parallel-rank")
+    if rank is not None:
+        headers.append((b"x-data-parallel-rank", str(rank).encode()))
+    return headers
+
+
+def _wants_usage(body: dict) -> bool:
+    options = body.get("stream_options")
+    return isinstance(options, dict) and options.get("include_usage") is True
+
+
+def _usage(content: bytes) -> dict | None:
+    try:
+        return json.loads(content).get("usage")
+    except (ValueError, AttributeError):
+        return None
+
+
+def usage_of(event: bytes) -> dict | None:
+    """The usage object of an SSE event, if it carries one (cheap check before parsing)."""
+    if b'"usage"' not in event:
+        return None
+    try:
+        data = json.loads(event[event.index(b"{") :])
+    except ValueError:
+        return None
+    return data.get("usage") if isinstance(data, dict) else None
+
+
+def is_usage_only(event: bytes) -> bool:
+    try:
+        data = json.loads(event[event.index(b"{") :])
+    except ValueError:
+        return False
+    return isinstance(data, dict) and data.get("usage") is not None and not data.get("choices")
