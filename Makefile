@@ -10,7 +10,7 @@ BOOTSTRAP_PYTHON := $(shell command -v python3.11 2>/dev/null || command -v pyth
 PYTEST_ARGS ?=
 SERVE_ARGS ?=
 
-.PHONY: serve test venv
+.PHONY: serve test lint venv
 
 venv: $(STAMP)
 
@@ -25,3 +25,8 @@ serve: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+# ruff's configuration is in pyproject.toml; CI runs this before the tests
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
