@@ -32,7 +32,9 @@ from pathlib import Path
 
 import httpx
 
-from bench.procs import free_port, start
+if __package__ in (None, ""):  # run as a script: python bench/router_overhead.py
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.procs import free_port, start  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "standin"

@@ -5,8 +5,8 @@ every connection per request (docs/benchmarks.md). Discovery, health checks, KV-
 the periodic jobs use the same library, so there is one set of errors and timeouts to know.
 
 A session is bound to the loop it was created on. The router process has one loop for its life;
-tests, ``async_to_sync`` and the jobs' own loops (``run``) create and finish loops, so sessions
-are kept per running loop, and whoever ends a loop closes its session first.
+tests and ``async_to_sync`` create and finish loops, and each job thread keeps one (``run``), so
+sessions are kept per loop; one left on a loop that was closed is released later.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import json
+import threading
 
 import aiohttp
 
@@ -40,7 +41,7 @@ class ClientPerLoop:
 
     def __init__(self):
         self._sessions: dict[asyncio.AbstractEventLoop, aiohttp.ClientSession] = {}
-        atexit.register(self._release_orphans)
+        atexit.register(self._close_at_exit)
 
     def get(self) -> aiohttp.ClientSession:
         loop = asyncio.get_running_loop()
@@ -71,18 +72,28 @@ class ClientPerLoop:
             if connector is not None:
                 connector._close()
 
+    def _close_at_exit(self) -> None:
+        """Close what is left: sessions of idle loops (the jobs' threads') on their own loop."""
+        self._release_orphans()
+        for loop, session in list(self._sessions.items()):
+            if not loop.is_running():
+                loop.run_until_complete(session.close())
+            self._sessions.pop(loop, None)
+
+
+_threads = threading.local()
+
 
 def run(coro_fn, *args):
-    """Run ``coro_fn(*args)`` on a loop of this thread's own (a job's; never the router's, which
-    may stop while the job runs) and close that loop's session before the loop ends."""
-
-    async def main():
-        try:
-            return await coro_fn(*args)
-        finally:
-            await client.aclose()
-
-    return asyncio.run(main())
+    """Run ``coro_fn(*args)`` from a job's thread, on a loop of that thread's own (never the
+    router's, which may stop while the job runs). The loop, and with it its session, its
+    connections and its resolver's thread, is kept for the thread's next job: the embedded
+    scrape runs every 2 s, and a fresh loop each time cost the router's requests measurably
+    (docs/benchmarks.md)."""
+    loop = getattr(_threads, "loop", None)
+    if loop is None or loop.is_closed():
+        loop = _threads.loop = asyncio.new_event_loop()
+    return loop.run_until_complete(coro_fn(*args))
 
 
 # The process's client: every outbound request of the control plane goes through it. Code that

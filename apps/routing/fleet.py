@@ -48,10 +48,14 @@ class Target:
     rank_id: int | None = None  # the Rank row, for persisted stats
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     load: RankLoad = field(default_factory=RankLoad)
+    key: str = field(init=False)  # ``url@rank``; read many times per routed request
 
-    @property
-    def key(self) -> str:
-        return target_key(self.worker.url, self.rank)
+    def __post_init__(self):
+        self.key = target_key(self.worker.url, self.rank)
+
+    def rebind(self, view: WorkerView) -> None:
+        """The worker's row was reinstalled: the target keeps its load and breaker."""
+        self.worker, self.key = view, target_key(view.url, self.rank)
 
     @property
     def available(self) -> bool:
@@ -76,7 +80,7 @@ class Fleet:
         targets = []
         for rank in ranks:
             target = old.get(rank) or Target(view, rank)
-            target.worker = view
+            target.rebind(view)
             target.rank_id = (rank_ids or {}).get(rank, target.rank_id)
             targets.append(target)
         self.workers[view.worker_id] = view

@@ -19,6 +19,7 @@ client did not ask for it, the usage-only event is dropped on the way.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import random
@@ -113,9 +114,7 @@ async def _attempt(
                     "content-type": "application/json",
                     **http.auth_headers(target.worker.api_key),
                 },
-                timeout=http.timeout(
-                    connect=config.connect_timeout_s, read=config.request_timeout_s
-                ),
+                timeout=_timeout(config.connect_timeout_s, config.request_timeout_s),
             )
         except aiohttp.ConnectionTimeoutError as exc:
             ending.unreachable = True
@@ -183,6 +182,11 @@ async def _relay_stream(dispatch, response, client_wants_usage: bool, send, head
         error = ProxyError(502, f"upstream {key} failed mid-stream: {exc!r}", "server_error")
         await send_chunk(send, b"data: " + error.body() + b"\n\ndata: [DONE]\n\n")
     await end_body(send)
+
+
+@functools.lru_cache(maxsize=8)
+def _timeout(connect_s: float, read_s: float):
+    return http.timeout(connect=connect_s, read=read_s)
 
 
 def upstream_payload(body: dict, dispatch: Dispatch, stream: bool) -> bytes:
