@@ -1,7 +1,24 @@
-"""Discovery: what a worker is, from its own /server_info (SGLang's older /get_server_info as a
-fallback; a plain OpenAI server that has neither is one target serving what /v1/models lists)."""
+"""Discovery: what a worker is, asked of the worker itself, by engine flavour
+(../shared/DESIGN.md "Engines behind the router"):
+
+- ``dpmesh`` (ours) and ``atom``: ``GET /server_info`` (``dp_size``, ...); ours also names its
+  block size, KV capacity, model path, digest scheme and KV-event stream;
+- ``sglang``: ``GET /get_server_info`` (its older name) when ``/server_info`` is 404;
+- ``vllm``: neither exists. Its DP size is the number of ``engine="N"`` labels on its
+  ``/metrics`` (``vllm:*`` families), its block size and KV capacity are the labels of
+  ``vllm:cache_config_info``, its model path is ``/v1/models``' ``root``, its KV-event endpoints
+  are ``/kv_event_sources``;
+- ``openai``: any other OpenAI server: one target serving what ``/v1/models`` lists.
+
+The answer is one dict, the worker's ``server_info``: the engine's own fields, plus ``flavour``
+and ``sources`` (each fact -> the endpoint it came from), so operators can see why the router
+treats a worker as it does. A registration may override what discovery found (``overrides``:
+``dp_size``, ``block_size``, ``tokenizer_path``, ``kv_events``); ``effective_info`` merges them.
+"""
 
 from __future__ import annotations
+
+import re
 
 from controlplane import http
 
@@ -10,28 +27,116 @@ class DiscoveryError(Exception):
     pass
 
 
+OVERRIDABLE = ("dp_size", "block_size", "tokenizer_path", "kv_events")
+
+
 async def fetch_server_info(url: str, api_key: str = "", timeout_s: float = 10.0) -> dict:
     url = url.rstrip("/")
     try:
-        for path in ("/server_info", "/get_server_info"):
+        for path, flavour in (("/server_info", None), ("/get_server_info", "sglang")):
             status, body, text = await http.get_json(
                 url + path, api_key=api_key, timeout_s=timeout_s
             )
             if status == 200:
                 if not isinstance(body, dict):
                     raise DiscoveryError(f"GET {url}{path} answered no JSON object: {text[:200]}")
-                return body
+                return _described(body, flavour or _server_info_flavour(body), path)
             if status != 404:
                 raise DiscoveryError(f"GET {url}{path} answered {status}: {text[:200]}")
         status, body, _ = await http.get_json(
             url + "/v1/models", api_key=api_key, timeout_s=timeout_s
         )
         models = body.get("data") if status == 200 and isinstance(body, dict) else None
-        if models and isinstance(models, list) and isinstance(models[0], dict):
-            return {"dp_size": 1, "model_id": models[0].get("id"), "foreign": True}
-        raise DiscoveryError(f"{url} has no /server_info, /get_server_info or /v1/models")
+        if not (models and isinstance(models, list) and isinstance(models[0], dict)):
+            raise DiscoveryError(f"{url} has no /server_info, /get_server_info or /v1/models")
+        status, metrics = await http.get_text(
+            url + "/metrics", api_key=api_key, timeout_s=timeout_s
+        )
+        if status == 200 and "vllm:" in metrics:
+            sources = await _kv_event_sources(url, api_key, timeout_s)
+            return vllm_info(models[0], metrics, sources)
+        return {
+            "dp_size": 1,
+            "model_id": models[0].get("id"),
+            "flavour": "openai",
+            "sources": {"dp_size": "default (no /server_info)", "model_id": "/v1/models"},
+        }
     except http.ERRORS as exc:
         raise DiscoveryError(f"cannot reach {url}: {exc!r}") from exc
+
+
+def _server_info_flavour(info: dict) -> str:
+    # ours names its digest scheme and instance; ATOM's answer is the four fields of its PR #1501
+    return "dpmesh" if "prefix_digest" in info or "instance_id" in info else "atom"
+
+
+def _described(info: dict, flavour: str, path: str) -> dict:
+    facts = [
+        k for k in ("dp_size", "block_size", "num_kv_blocks_per_rank", "model_path") if k in info
+    ]
+    return {**info, "flavour": flavour, "sources": dict.fromkeys(facts, path)}
+
+
+# ----- vLLM: what its /metrics, /v1/models and /kv_event_sources say ------------------------------
+_ENGINE_LABEL = re.compile(r'^vllm:[^{\s]*\{[^}]*\bengine="(\d+)"', re.M)
+_CACHE_CONFIG = re.compile(r"^vllm:cache_config_info\{([^}]*)\}", re.M)
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def vllm_info(model: dict, metrics: str, kv_event_sources: dict | None) -> dict:
+    """The ``server_info`` of a vLLM server, from its model entry and its Prometheus text."""
+    engines = sorted({int(n) for n in _ENGINE_LABEL.findall(metrics)})
+    dp_size = len(engines) or 1
+    config = {}
+    match = _CACHE_CONFIG.search(metrics)
+    if match:
+        config = dict(_LABEL.findall(match.group(1)))
+    info = {
+        "flavour": "vllm",
+        "dp_size": dp_size,
+        "model_id": model.get("id"),
+        "served_model_name": model.get("id"),
+        "model_path": model.get("root") or model.get("id"),
+        "max_model_len": model.get("max_model_len"),
+        "sources": {
+            "dp_size": "/metrics engine labels",
+            "model_path": "/v1/models root",
+            "model_id": "/v1/models",
+        },
+    }
+    if _int(config.get("block_size")):
+        info["block_size"] = _int(config["block_size"])
+        info["sources"]["block_size"] = "/metrics vllm:cache_config_info"
+    blocks = _int(config.get("num_gpu_blocks_override")) or _int(config.get("num_gpu_blocks"))
+    if blocks:
+        info["num_kv_blocks_per_rank"] = blocks
+        info["sources"]["num_kv_blocks_per_rank"] = "/metrics vllm:cache_config_info"
+    if config.get("prefix_caching_hash_algo"):
+        info["prefix_caching_hash_algo"] = config["prefix_caching_hash_algo"]
+    if config.get("enable_prefix_caching"):
+        info["enable_prefix_caching"] = config["enable_prefix_caching"] == "True"
+    if kv_event_sources:
+        info["kv_event_sources"] = kv_event_sources
+        info["sources"]["kv_event_sources"] = "/kv_event_sources"
+    return info
+
+
+async def _kv_event_sources(url: str, api_key: str, timeout_s: float) -> dict | None:
+    try:
+        status, body, _ = await http.get_json(
+            url + "/kv_event_sources", api_key=api_key, timeout_s=timeout_s
+        )
+    except http.ERRORS:
+        return None
+    return body if status == 200 and isinstance(body, dict) and body else None
+
+
+def _int(value) -> int | None:
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        return None
+    return number if number > 0 else None
 
 
 VOLATILE_KEYS = ("ranks",)  # live state in our engine's /server_info (pids, requests in flight)
@@ -40,6 +145,19 @@ VOLATILE_KEYS = ("ranks",)  # live state in our engine's /server_info (pids, req
 def stable_info(info: dict) -> dict:
     """``info`` without its live state: what identifies the worker's configuration."""
     return {k: v for k, v in (info or {}).items() if k not in VOLATILE_KEYS}
+
+
+def effective_info(info: dict, overrides: dict | None) -> dict:
+    """What the router serves by: the discovered ``info`` with the registration's overrides,
+    each override's source named ``registration``."""
+    if not overrides:
+        return info or {}
+    merged = {**(info or {}), **overrides}
+    merged["sources"] = {
+        **(info or {}).get("sources", {}),
+        **dict.fromkeys(overrides, "registration"),
+    }
+    return merged
 
 
 def dp_size_of(info: dict) -> int:

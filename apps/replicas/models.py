@@ -25,6 +25,12 @@ class Worker(models.Model):
     dp_size = models.PositiveIntegerField(default=1)
     dp_aware = models.BooleanField(default=True, help_text="one routing target per DP rank")
     server_info = models.JSONField(default=dict, blank=True)
+    overrides = models.JSONField(
+        default=dict,
+        blank=True,
+        help_text="facts given at registration that win over discovery (dp_size, block_size, "
+        "tokenizer_path, kv_events)",
+    )
     health = models.CharField(max_length=16, choices=Health.choices, default=Health.UNKNOWN)
     health_detail = models.TextField(blank=True, default="")
     draining = models.BooleanField(default=False, help_text="receives no new requests")

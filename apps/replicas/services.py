@@ -13,7 +13,13 @@ from asgiref.sync import sync_to_async
 from django.db import transaction
 from django.utils import timezone
 
-from apps.replicas.discovery import DiscoveryError, dp_size_of, fetch_server_info
+from apps.replicas.discovery import (
+    OVERRIDABLE,
+    DiscoveryError,
+    dp_size_of,
+    effective_info,
+    fetch_server_info,
+)
 from apps.replicas.models import Rank, Worker, WorkerEvent
 from apps.replicas.runtime import FleetRuntime
 
@@ -29,12 +35,16 @@ def normalize_url(url: str) -> str:
 
 @transaction.atomic
 def save_worker(
-    *, url: str, api_key: str, dp_aware: bool, info: dict | None
+    *, url: str, api_key: str, dp_aware: bool, info: dict | None, overrides: dict | None = None
 ) -> tuple[Worker, dict]:
+    """Record a worker: what discovery found (``info``; None: not discovered yet) and what its
+    registration overrides (None: keep the recorded overrides)."""
     worker, _ = Worker.objects.select_for_update().get_or_create(
         url=url, defaults={"api_key": api_key, "dp_aware": dp_aware}
     )
     worker.api_key, worker.dp_aware = api_key or worker.api_key, dp_aware
+    if overrides is not None:
+        worker.overrides = overrides
     before = (
         bool(worker.server_info),
         worker.dp_size,
@@ -43,7 +53,7 @@ def save_worker(
     )
     if info is not None:
         worker.server_info = info
-        worker.dp_size = dp_size_of(info)
+        worker.dp_size = dp_size_of(effective_info(info, worker.overrides))
         worker.model_id = str(info.get("model_id") or info.get("model_path") or "")
         worker.served_model_name = str(info.get("served_model_name") or worker.model_id)
         worker.health = Worker.Health.HEALTHY
@@ -101,12 +111,16 @@ async def worker_add(
     api_key: str = "",
     dp_aware: bool | None = None,
     strict: bool = True,
+    overrides: dict | None = None,
     runtime: FleetRuntime | None = None,
 ) -> Worker:
-    """Register (or refresh) a worker: discover it through /server_info and record it; the
+    """Register (or refresh) a worker: discover it (its flavour's endpoints) and record it; the
     runtime then serves its targets. With ``strict=False`` an unreachable worker is recorded
-    anyway and discovered later (the health loop). ``dp_aware`` None: the runtime's default."""
+    anyway and discovered later (the health loop). ``dp_aware`` None: the runtime's default;
+    ``overrides`` (``validate_overrides``) None: keep what its registration said before."""
     url = normalize_url(url)
+    if overrides is not None:
+        overrides = validate_overrides(overrides)
     if dp_aware is None:
         dp_aware = runtime.dp_aware if runtime is not None else True
     try:
@@ -118,7 +132,7 @@ async def worker_add(
         logger.warning("worker %s not discoverable yet: %s", url, exc)
         info = None
     worker, rank_ids = await sync_to_async(save_worker)(
-        url=url, api_key=api_key, dp_aware=dp_aware, info=info
+        url=url, api_key=api_key, dp_aware=dp_aware, info=info, overrides=overrides
     )
     if runtime is not None:
         runtime.worker_saved(worker, rank_ids)
@@ -126,6 +140,31 @@ async def worker_add(
         "worker %s: dp_size %d, %s", url, worker.dp_size, "dp-aware" if dp_aware else "one target"
     )
     return worker
+
+
+def validate_overrides(overrides: dict) -> dict:
+    """The registration's overrides, checked (ValueError names the bad one); None values dropped."""
+    if not isinstance(overrides, dict):
+        raise ValueError("overrides must be an object")
+    unknown = set(overrides) - set(OVERRIDABLE)
+    if unknown:
+        raise ValueError(f"unknown override(s) {sorted(unknown)}; known: {list(OVERRIDABLE)}")
+    out = {k: v for k, v in overrides.items() if v is not None}
+    for name in ("dp_size", "block_size"):
+        value = out.get(name)
+        if value is not None and (
+            not isinstance(value, int) or isinstance(value, bool) or value < 1
+        ):
+            raise ValueError(f"'{name}' must be a positive integer, got {value!r}")
+    if not isinstance(out.get("tokenizer_path", ""), str):
+        raise ValueError("'tokenizer_path' must be a string (a directory on the router's host)")
+    kv_events = out.get("kv_events")
+    if kv_events is not None and not (
+        isinstance(kv_events, str)
+        or (isinstance(kv_events, list) and all(isinstance(e, str) for e in kv_events))
+    ):
+        raise ValueError("'kv_events' must be an endpoint or a list of one endpoint per rank")
+    return out
 
 
 async def worker_remove(*, worker_id: int, runtime: FleetRuntime | None = None) -> bool:
@@ -178,6 +217,9 @@ def worker_as_dict(worker: Worker, runtime: FleetRuntime | None = None) -> dict:
         "dp_aware": worker.dp_aware,
         "health": live["health"] if live else worker.health,
         "draining": worker.draining,
+        "flavour": (worker.server_info or {}).get("flavour"),
         "server_info": worker.server_info,
+        "overrides": worker.overrides,
+        "sources": effective_info(worker.server_info, worker.overrides).get("sources", {}),
         "targets": live["targets"] if live else [],
     }

@@ -2,7 +2,11 @@
 
 Mutations (POST /workers, DELETE /workers/{id}, POST /add_worker, POST /remove_worker) need an
 admin key (``Authorization: Bearer``) or a staff session with a CSRF token: apps/replicas/auth.py.
-Reads (GET /workers, GET /workers/{id}, GET /list_workers) stay open, as in SGLang's router."""
+Reads (GET /workers, GET /workers/{id}, GET /list_workers) stay open, as in SGLang's router.
+
+``POST /workers {"url", "api_key"?, "dp_aware"?, "dp_size"?, "block_size"?, "tokenizer_path"?,
+"kv_events"?}``: the last four override what discovery finds (a re-post without them keeps the
+recorded ones). Each worker's answer says its ``flavour`` and where each fact came from."""
 
 from __future__ import annotations
 
@@ -12,17 +16,21 @@ from django.http import JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 
 from apps.replicas.auth import admin_required
-from apps.replicas.discovery import DiscoveryError
+from apps.replicas.discovery import OVERRIDABLE, DiscoveryError
 from apps.replicas.models import Worker
 from apps.replicas.runtime import runtime_of
 from apps.replicas.services import worker_add, worker_as_dict, worker_remove
 from controlplane.errors import error_response
 
 
-async def _register(request, url: str, api_key: str = "", dp_aware=None) -> JsonResponse:
+async def _register(
+    request, url: str, api_key: str = "", dp_aware=None, overrides=None
+) -> JsonResponse:
     runtime = runtime_of(request)
     try:
-        worker = await worker_add(url=url, api_key=api_key, dp_aware=dp_aware, runtime=runtime)
+        worker = await worker_add(
+            url=url, api_key=api_key, dp_aware=dp_aware, overrides=overrides, runtime=runtime
+        )
     except ValueError as exc:
         return error_response(400, str(exc))
     except DiscoveryError as exc:
@@ -48,7 +56,11 @@ async def workers(request):
     dp_aware = body.get("dp_aware")
     if dp_aware is not None and not isinstance(dp_aware, bool):
         return error_response(400, "'dp_aware' must be a boolean")
-    return await _register(request, body["url"], str(body.get("api_key") or ""), dp_aware)
+    # what discovery cannot know, or gets wrong, the registration says (DESIGN.md)
+    overrides = {k: body[k] for k in OVERRIDABLE if k in body}
+    return await _register(
+        request, body["url"], str(body.get("api_key") or ""), dp_aware, overrides or None
+    )
 
 
 @csrf_exempt

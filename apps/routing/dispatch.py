@@ -42,6 +42,10 @@ class DispatchObserver(abc.ABC):
         """Prometheus metric families about this observer, for the router's /metrics."""
         return ()
 
+    def target_state(self, key: str) -> dict:
+        """What this observer knows of target ``key``, for the workers API."""
+        return {}
+
 
 class Dispatch:
     """A request sent to ``target``: what the index predicted, its load ticket, its timing."""

@@ -19,6 +19,7 @@ from apps.replicas.auth import INVALID_API_KEY_BODY, api_key_allowed, scope_auth
 from apps.routing.router import Router
 from apps.routing.upstream import ProxyError, proxy_request
 from engine.server.asgi import BodyTooLarge, ClientGone, read_body, send_body, until_disconnect
+from engine.server.openai_api import APIError, rank_hint
 
 PATHS = {"/v1/completions": False, "/v1/chat/completions": True}  # path -> chat?
 MAX_BODY_BYTES = 16 * 2**20
@@ -54,8 +55,32 @@ class OpenAIEndpoint:
         except ProxyError as exc:
             await send_body(send, exc.status, exc.body())
             return
-        work = proxy_request(self.router, body, chat=PATHS[path], path=path, send=send)
+        try:
+            pin = client_rank(self.router, body, scope)
+        except ProxyError as exc:
+            await send_body(send, exc.status, exc.body())
+            return
+        work = proxy_request(self.router, body, chat=PATHS[path], path=path, send=send, rank=pin)
         await until_disconnect(work, receive)
+
+
+def client_rank(router: Router, body: dict, scope) -> int | None:
+    """A DP rank the client asked for itself (body ``data_parallel_rank`` / ``data-parallel-rank``
+    or header ``X-data-parallel-rank``), checked as the engine checks it: an integer in range of
+    the fleet's largest dp-aware worker is honoured as a pin (a single-worker fleet, or one worker
+    whose rank it names); anything else is a 400 with the engine's wording. None: the router
+    chooses. A fleet routed worker by worker passes the client's hint on to the engine."""
+    dp_size = max((w.dp_size for w in router.fleet.workers.values() if w.dp_aware), default=0)
+    if not dp_size:
+        return None
+    headers = {}
+    for name, value in scope.get("headers") or ():
+        if name.lower() == b"x-data-parallel-rank":
+            headers["x-data-parallel-rank"] = value.decode("latin-1")
+    try:
+        return rank_hint(body, headers, dp_size)
+    except APIError as exc:
+        raise ProxyError(exc.status, exc.message) from exc
 
 
 def parse(raw: bytes) -> dict:

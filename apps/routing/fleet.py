@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import os
 import random
+import re
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
+from apps.replicas.discovery import effective_info
 from apps.replicas.models import target_key
 from apps.routing.circuit import CircuitBreaker
 from apps.routing.load import RankLoad
@@ -35,6 +38,9 @@ class WorkerView:
     instance_id: str | None = None
     # the engine's KV events path, when its digests are the router's own
     kv_events: str | None = None
+    flavour: str = "dpmesh"  # dpmesh, atom, sglang, vllm, openai (apps/replicas/discovery.py)
+    # vLLM: one ZMQ endpoint per rank for its KV events (apps/routing/vllm_events.py)
+    zmq_kv_events: tuple[str, ...] = ()
     consecutive_failures: int = 0
     consecutive_successes: int = 0
 
@@ -112,8 +118,8 @@ class Fleet:
 def view_of(worker, tokenizer_path: str | None = None) -> WorkerView:
     """A routing view of a ``Worker`` row. Token digests need the engine's block size and a
     tokenizer this host can load: the worker's own model path, or ``tokenizer_path``."""
-    info = worker.server_info or {}
-    path = tokenizer_path or info.get("model_path") or info.get("tokenizer_path")
+    info = effective_info(worker.server_info, worker.overrides)
+    path = tokenizer_path or info.get("tokenizer_path") or info.get("model_path")
     if path and not os.path.isdir(path):
         path = None
     block = info.get("block_size") or info.get("page_size")
@@ -133,5 +139,47 @@ def view_of(worker, tokenizer_path: str | None = None) -> WorkerView:
         draining=worker.draining,
         instance_id=info.get("instance_id"),
         kv_events=info.get("kv_events") if ours else None,
+        flavour=info.get("flavour") or "dpmesh",
+        zmq_kv_events=zmq_endpoints(worker.url, info) if path and block else (),
         healthy=worker.health != worker.Health.UNHEALTHY,
     )
+
+
+def zmq_endpoints(url: str, info: dict) -> tuple[str, ...]:
+    """A vLLM worker's KV-event publishers, one per rank: the registration's ``kv_events`` (one
+    endpoint per rank, or the first rank's, the others on the next ports, as vLLM binds them),
+    else what its ``/kv_event_sources`` says. Wildcard hosts are the worker's own host."""
+    if info.get("flavour") != "vllm":
+        return ()
+    given = info.get("kv_events")
+    dp_size = info.get("dp_size") or 1
+    if isinstance(given, list):
+        endpoints = list(given)
+    elif isinstance(given, str) and given.startswith("tcp://"):
+        endpoints = [given]
+    else:
+        endpoints = _from_sources(info.get("kv_event_sources"))
+    if len(endpoints) == 1 and dp_size > 1:  # base port + rank
+        host, _, port = endpoints[0].rpartition(":")
+        if port.isdigit():
+            endpoints = [f"{host}:{int(port) + r}" for r in range(dp_size)]
+    worker_host = urlsplit(url).hostname or "127.0.0.1"
+    return tuple(re.sub(r"tcp://(\*|0\.0\.0\.0)", f"tcp://{worker_host}", e) for e in endpoints)
+
+
+def _from_sources(sources) -> list[str]:
+    """Endpoints out of vLLM's ``/kv_event_sources`` answer, whatever its nesting."""
+    found: list[str] = []
+
+    def walk(value):
+        if isinstance(value, str) and value.startswith("tcp://"):
+            found.append(value)
+        elif isinstance(value, dict):
+            for key in sorted(value, key=str):
+                walk(value[key])
+        elif isinstance(value, list):
+            for item in value:
+                walk(item)
+
+    walk(sources)
+    return list(dict.fromkeys(found))

@@ -179,7 +179,7 @@ def refresh_discovery(timeout: float = 10.0) -> dict[str, int]:
     workers = list(Worker.objects.exclude(server_info={}))
     checked = changed = 0
     for worker, info in zip(workers, http.run(_fetch_all, workers, timeout), strict=True):
-        if not isinstance(info, dict) or info.get("foreign"):
+        if not isinstance(info, dict) or info.get("flavour") == "openai":
             continue  # unreachable now, or a server without /server_info: nothing to refresh
         checked += 1
         if stable_info(info) == stable_info(worker.server_info):

@@ -24,6 +24,7 @@ keep-alive comment every 10 s, so a reader that hears nothing for ``READ_TIMEOUT
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -32,8 +33,10 @@ from collections import Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from apps.replicas.models import target_key
+from apps.routing import vllm_events
 from apps.routing.dispatch import DispatchObserver
 from apps.routing.metrics import PREFIX
+from apps.routing.vllm_events import RankDecoder
 from controlplane import http
 
 logger = logging.getLogger(__name__)
@@ -52,7 +55,9 @@ class KVEventsFeed(DispatchObserver):
         ] = {}  # worker id -> (what it follows, task)
         self.connected: set[int] = set()
         self.applied = 0  # messages (snapshots and event batches) applied to the index
-        self.followed: set[str] = set()  # target keys whose snapshot arrived
+        self.followed: set[str] = set()  # target keys whose events arrived
+        self.decoders: dict[str, RankDecoder] = {}  # vLLM targets: engine hashes -> digests
+        self.gaps: dict[str, int] = {}  # vLLM targets: how often messages were lost
         self.pending: dict[
             str, Counter
         ] = {}  # target key -> digest -> routed requests not yet prefilled
@@ -79,9 +84,30 @@ class KVEventsFeed(DispatchObserver):
             labels=["worker"],
         )
         for view in self.router.fleet.workers.values():
-            if view.kv_events:
+            if view.kv_events or view.zmq_kv_events:
                 family.add_metric([view.url], int(view.worker_id in self.connected))
         yield family
+        precise = GaugeMetricFamily(
+            f"{PREFIX}_kv_events_precise",
+            "1 while the target's prefix index follows its engine's KV events (precise mode); "
+            "0: approximate (the router's own decisions only)",
+            labels=["target"],
+        )
+        mismatch = GaugeMetricFamily(
+            f"{PREFIX}_kv_events_mismatch",
+            "1 when the engine's KV events cannot match the router's digests (block size, "
+            "tokenizer): the reason is the label",
+            labels=["target", "reason"],
+        )
+        for target in self.router.fleet.all_targets():
+            if not (target.worker.kv_events or target.worker.zmq_kv_events):
+                continue
+            state = self.target_state(target.key)
+            precise.add_metric([target.key], int(state["precise"]))
+            if state.get("kv_events_mismatch"):
+                mismatch.add_metric([target.key, state["kv_events_mismatch"]], 1)
+        yield precise
+        yield mismatch
 
     def prefilled(self, key: str, digests: list[int]) -> None:
         """That request's prompt is computed (its first token arrived) or it ended."""
@@ -116,11 +142,22 @@ class KVEventsFeed(DispatchObserver):
 
     # ----- which workers to follow ---------------------------------------------------------------
     def wanted(self) -> dict[int, tuple]:
-        return {
-            view.worker_id: (view.url, view.kv_events, view.api_key, view.instance_id)
-            for view in self.router.fleet.workers.values()
-            if view.kv_events and view.dp_aware
-        }
+        """What to follow, per worker: our engine's SSE stream, or a vLLM's ZMQ publishers."""
+        out = {}
+        for view in self.router.fleet.workers.values():
+            if not view.dp_aware:
+                continue
+            if view.kv_events:
+                out[view.worker_id] = (
+                    "sse",
+                    view.url,
+                    view.kv_events,
+                    view.api_key,
+                    view.instance_id,
+                )
+            elif view.zmq_kv_events:
+                out[view.worker_id] = ("zmq", view.url, view.zmq_kv_events, view.block_size)
+        return out
 
     def reconcile(self) -> None:
         """Start a reader for each worker that offers events, stop the others (removed, changed,
@@ -150,14 +187,15 @@ class KVEventsFeed(DispatchObserver):
 
     # ----- one worker -----------------------------------------------------------------------------
     async def _follow(self, worker_id: int, spec: tuple) -> None:
-        url, path, api_key, _ = spec
+        if spec[0] == "zmq":
+            return await self._follow_vllm(worker_id, *spec[1:])
+        _, url, path, api_key, _ = spec
         backoff = 0.5
         while True:
             try:
                 await self._read(worker_id, url + path, api_key)
-                backoff = (
-                    0.5  # the engine ended the stream (this reader fell behind): start over now
-                )
+                # the engine ended the stream (this reader fell behind): start over now
+                backoff = 0.5
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # engine down or restarting: the health loop says so too
@@ -176,9 +214,8 @@ class KVEventsFeed(DispatchObserver):
             self.connected.add(worker_id)
             logger.info("following the KV events of %s", url)
             buffer = b""
-            async for (
-                chunk
-            ) in response.content.iter_any():  # a snapshot can be longer than any line limit
+            # a snapshot can be longer than any line limit
+            async for chunk in response.content.iter_any():
                 buffer += chunk
                 *events, buffer = buffer.split(b"\n\n")
                 for event in events:
@@ -186,9 +223,37 @@ class KVEventsFeed(DispatchObserver):
                         if line.startswith(b"data: "):
                             self.apply(worker_id, json.loads(line[len(b"data: ") :]))
 
+    async def _follow_vllm(self, worker_id: int, url: str, endpoints: tuple, block_size) -> None:
+        """One ZMQ reader per rank (vLLM binds one publisher per rank: base port + rank)."""
+        readers = []
+        for rank, endpoint in enumerate(endpoints):
+            key = target_key(url, rank)
+            decoder = self.decoders[key] = RankDecoder(block_size)
+            handler = functools.partial(self._on_vllm_message, worker_id, key, decoder)
+            readers.append(asyncio.ensure_future(vllm_events.follow(endpoint, handler)))
+        self.connected.add(worker_id)
+        try:
+            await asyncio.gather(*readers)
+        finally:
+            for reader in readers:
+                reader.cancel()
+            self.connected.discard(worker_id)
+
+    def _on_vllm_message(self, worker_id: int, key: str, decoder: RankDecoder, seq, payload):
+        if not any(t.key == key for t in self.router.fleet.targets.get(worker_id, ())):
+            return
+        batch = decoder.decode(seq, payload)
+        if batch.gap:  # messages were lost: what they removed is still in the index
+            self.gaps[key] = self.gaps.get(key, 0) + 1
+            logger.warning("KV events of %s: messages lost before seq %d", key, seq)
+        stored = [d for kind, digests in batch.events if kind == "stored" for d in digests]
+        if stored:
+            decoder.check_language(stored, set(self.pending.get(key) or ()))
+        self.apply_events(key, batch.events, snapshot=[] if batch.cleared else None)
+
     def apply(self, worker_id: int, message: dict) -> bool:
-        """Apply one message of a worker's stream to the index; False when it names no target
-        here."""
+        """Apply one message of our engine's stream to the index; False when it names no
+        target here."""
         view = self.router.fleet.workers.get(worker_id)
         rank = message.get("rank")
         if view is None or not isinstance(rank, int):
@@ -196,15 +261,22 @@ class KVEventsFeed(DispatchObserver):
         key = target_key(view.url, rank)
         if not any(t.key == key for t in self.router.fleet.targets.get(worker_id, ())):
             return False
+        self.apply_events(key, message.get("events") or (), snapshot=message.get("snapshot"))
+        return True
+
+    def apply_events(self, key: str, events, snapshot: list[int] | None = None) -> None:
+        """A rank's cache changes, in the router's digests: ``snapshot`` (all it holds now)
+        replaces the rank's set; stored blocks are inserted; removed ones removed, unless a
+        request routed there is about to store them again (deferred, see the module's doc)."""
         index = self.router.index
-        if "snapshot" in message:
-            index.replace(key, message["snapshot"])
-            self.followed.add(key)
+        self.followed.add(key)
+        if snapshot is not None:
+            index.replace(key, snapshot)
             for item in [item for item in self.deferred if item[0] == key]:
                 del self.deferred[item]
         now = self.clock()
         pending = self.pending.get(key) or {}
-        for kind, digests in message.get("events") or ():
+        for kind, digests in events:
             if kind == "stored":
                 index.insert(key, digests)
                 for digest in digests:
@@ -218,4 +290,12 @@ class KVEventsFeed(DispatchObserver):
                         gone.append(digest)
                 index.remove(key, gone)
         self.applied += 1
-        return True
+
+    def target_state(self, key: str) -> dict:
+        """For /workers: whether the index of ``key`` follows the engine's events, and why not."""
+        decoder = self.decoders.get(key)
+        state = {"precise": key in self.followed and not (decoder and decoder.mismatch)}
+        if decoder is not None:
+            state["kv_events_mismatch"] = decoder.mismatch
+            state["kv_events_gaps"] = self.gaps.get(key, 0)
+        return state

@@ -128,14 +128,23 @@ class Router:
             self.index.set_capacity(target.key, target.worker.capacity_blocks)
 
     def route(
-        self, body: dict, chat: bool, model: str | None, exclude: set[str] = frozenset()
+        self,
+        body: dict,
+        chat: bool,
+        model: str | None,
+        exclude: set[str] = frozenset(),
+        rank: int | None = None,
     ) -> Dispatch:
         """Choose a target and commit: begin its load, insert the request's blocks into the index
         for it (the engine caches them as it prefills), tell the observers. The returned dispatch
-        owns the request's end."""
-        candidates = [t for t in self.fleet.candidates(model) if t.key not in exclude]
+        owns the request's end. ``rank``: only that DP rank of a worker (the client's pin)."""
+
+        def allowed(t: Target) -> bool:
+            return t.key not in exclude and (rank is None or t.rank == rank)
+
+        candidates = [t for t in self.fleet.candidates(model) if allowed(t)]
         if not candidates and model and len(self.fleet.models()) == 1:
-            candidates = [t for t in self.fleet.candidates(None) if t.key not in exclude]
+            candidates = [t for t in self.fleet.candidates(None) if allowed(t)]
         if not candidates:
             self.stats.no_target += 1
             raise NoTarget(
@@ -253,6 +262,8 @@ class Router:
                 "circuit": t.breaker.state,
                 "inflight_requests": t.load.requests,
                 "inflight_prompt_tokens": t.load.prompt_tokens,
+                "index_blocks": self.index.size(t.key),
+                **{k: v for o in self.observers for k, v in o.target_state(t.key).items()},
             }
             for t in self.fleet.targets.get(worker_id, [])
         ]

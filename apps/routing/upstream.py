@@ -72,14 +72,17 @@ class Ending:
             dispatch.finish(ok=self.ok, usage=self.usage, aborted=self.aborted)
 
 
-async def proxy_request(router: Router, body: dict, *, chat: bool, path: str, send) -> None:
-    """Serve one request through the router; cancelled when the client disconnects."""
+async def proxy_request(
+    router: Router, body: dict, *, chat: bool, path: str, send, rank: int | None = None
+) -> None:
+    """Serve one request through the router; cancelled when the client disconnects. ``rank``:
+    the client's own pin (endpoint.client_rank), else the router chooses."""
     model = body.get("model") if isinstance(body.get("model"), str) else None
     tried: set[str] = set()
     last: ProxyError | None = None
     for attempt in range(router.config.max_retries + 1):
         try:
-            dispatch = router.route(body, chat, model, exclude=tried)
+            dispatch = router.route(body, chat, model, exclude=tried, rank=rank)
         except NoTarget as exc:
             error = last or ProxyError(503, str(exc), "server_error")
             await send_body(send, error.status, error.body())
@@ -110,10 +113,7 @@ async def _attempt(
             response = await http.client.get().post(
                 target.worker.url + path,
                 data=upstream_payload(body, dispatch, stream),
-                headers={
-                    "content-type": "application/json",
-                    **http.auth_headers(target.worker.api_key),
-                },
+                headers=_upstream_headers(dispatch),
                 timeout=_timeout(config.connect_timeout_s, config.request_timeout_s),
             )
         except aiohttp.ConnectionTimeoutError as exc:
@@ -197,6 +197,18 @@ def upstream_payload(body: dict, dispatch: Dispatch, stream: bool) -> bytes:
     if stream:
         payload["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
     return json.dumps(payload).encode()
+
+
+def _upstream_headers(dispatch: Dispatch) -> dict:
+    """JSON, the engine's key, and the rank in a header too: vLLM reads it only from there, ours,
+    ATOM and SGLang from the body (both are sent to every flavour)."""
+    headers = {
+        "content-type": "application/json",
+        **http.auth_headers(dispatch.target.worker.api_key),
+    }
+    if dispatch.target.rank is not None:
+        headers["x-data-parallel-rank"] = str(dispatch.target.rank)
+    return headers
 
 
 def _route_headers(dispatch: Dispatch, response) -> list:

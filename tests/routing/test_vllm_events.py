@@ -1,0 +1,82 @@
+"""vLLM's KV events into the router's digests, without a vLLM (the real one: tests/vllm/): both
+encodings, the engine-hash -> digest map through parent chains and removals, a cleared cache,
+lost messages, and the two mismatches that otherwise give a silent 0 %."""
+
+from __future__ import annotations
+
+import msgspec
+
+from apps.routing.vllm_events import MISMATCH_AFTER_BLOCKS, RankDecoder
+from engine.digests import chain_digests
+
+BS = 4
+TOKENS = list(range(100, 116))  # four blocks of four
+DIGESTS = chain_digests(TOKENS, BS)
+
+
+def payload(*events, rank=0) -> bytes:
+    return msgspec.msgpack.encode([1.0, list(events), rank])
+
+
+def stored_map(hashes, parent, tokens, block_size=BS):
+    return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent,
+            "token_ids": tokens, "block_size": block_size, "medium": "GPU"}  # fmt: skip
+
+
+def test_stored_blocks_become_our_chained_digests_through_parent_hashes():
+    decoder = RankDecoder(BS)
+    first = decoder.decode(0, payload(stored_map([11, 12], None, TOKENS[:8])))
+    assert first.events == [("stored", DIGESTS[:2])] and not first.gap and not first.cleared
+    # a follow-up continues the chain from its parent's engine hash
+    second = decoder.decode(1, payload(stored_map([13, 14], 12, TOKENS[8:])))
+    assert second.events == [("stored", DIGESTS[2:])]
+    assert decoder.digest_of == dict(zip([11, 12, 13, 14], DIGESTS, strict=True))
+
+
+def test_the_older_positional_encoding_reads_the_same():
+    decoder = RankDecoder(BS)
+    batch = decoder.decode(
+        0,
+        payload(
+            ["BlockStored", [11, 12], None, TOKENS[:8], BS, None, "GPU"],
+            ["BlockRemoved", [11], "GPU"],
+        ),
+    )
+    assert batch.events == [("stored", DIGESTS[:2]), ("removed", [DIGESTS[0]])]
+
+
+def test_removed_and_cleared_resolve_through_the_map():
+    decoder = RankDecoder(BS)
+    decoder.decode(0, payload(stored_map([11, 12, 13], None, TOKENS[:12])))
+    removed = decoder.decode(1, payload({"type": "BlockRemoved", "block_hashes": [13, 99]}))
+    assert removed.events == [("removed", [DIGESTS[2]])]  # 99 was never stored here: skipped
+    cleared = decoder.decode(2, payload({"type": "AllBlocksCleared"}))
+    assert cleared.cleared and cleared.events == [] and decoder.digest_of == {}
+
+
+def test_a_sequence_gap_is_reported_and_an_unknown_parent_is_not_guessed():
+    decoder = RankDecoder(BS)
+    decoder.decode(0, payload(stored_map([11], None, TOKENS[:4])))
+    batch = decoder.decode(5, payload(stored_map([42], 41, TOKENS[4:8])))
+    assert batch.gap and batch.events == [] and decoder.unresolved == 1
+
+
+def test_a_block_size_mismatch_is_named_never_silently_zero():
+    decoder = RankDecoder(16)
+    batch = decoder.decode(0, payload(stored_map([11, 12], None, TOKENS[:8])))
+    assert batch.events == [] and "blocks of 4 tokens" in decoder.mismatch
+
+
+def test_a_tokenizer_mismatch_is_named_once_enough_blocks_match_nothing_routed():
+    decoder = RankDecoder(BS)
+    tokens = list(range(MISMATCH_AFTER_BLOCKS * BS))
+    batch = decoder.decode(
+        0, payload(stored_map(list(range(1, MISMATCH_AFTER_BLOCKS + 1)), None, tokens))
+    )
+    stored = batch.events[0][1]
+    decoder.check_language(stored[:2], routed={stored[0]})  # one routed block matches: fine
+    assert decoder.mismatch is None
+    other = RankDecoder(BS)
+    other.decode(0, payload(stored_map(list(range(1, MISMATCH_AFTER_BLOCKS + 1)), None, tokens)))
+    other.check_language(stored, routed={12345})
+    assert "tokenizer or chat template" in other.mismatch
