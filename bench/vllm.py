@@ -95,7 +95,9 @@ def start_vllm(
     env = {
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_CACHE_ROOT": str(workdir / "vllm-cache"),
-        "VLLM_CPU_OMP_THREADS_BIND": "|".join(str(r % (os.cpu_count() or 1)) for r in range(dp_size)),
+        "VLLM_CPU_OMP_THREADS_BIND": "|".join(
+            str(r % (os.cpu_count() or 1)) for r in range(dp_size)
+        ),
         "HF_HUB_OFFLINE": "1",
         "VLLM_NO_USAGE_STATS": "1",
         "PYTHONHASHSEED": "0",  # both ranks hash alike (vllm-cpu.md)

@@ -174,8 +174,11 @@ def _from_sources(sources) -> list[str]:
     def walk(value):
         if isinstance(value, str) and value.startswith("tcp://"):
             found.append(value)
-        elif isinstance(value, dict):
-            for key in sorted(value, key=str):
+        elif isinstance(value, dict):  # by rank: "0", "1", ... "10"
+            for key in sorted(
+                value,
+                key=lambda k: (not str(k).isdigit(), int(k) if str(k).isdigit() else 0, str(k)),
+            ):
                 walk(value[key])
         elif isinstance(value, list):
             for item in value:

@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from bench.vllm import start_vllm, vllm_venv
+from bench.vllm import VLLMServer, start_vllm, vllm_venv
 from engine.tiny import ensure_tiny_model
 
 # small enough that a test can make it evict, large enough for the hit-rate workloads
@@ -35,10 +35,17 @@ def vllm_python_venv():
 
 
 @pytest.fixture(scope="session")
-def vllm_server(vllm_python_venv, tmp_path_factory):
+def vllm_server(request, tmp_path_factory):
+    """The session's vLLM. ``DPMESH_TEST_VLLM_URL`` (with ``DPMESH_TEST_VLLM_EVENTS``, its ZMQ
+    endpoints comma-separated) reuses one already running with this file's settings instead, for
+    a quicker edit-run loop while working on these tests."""
+    if os.environ.get("DPMESH_TEST_VLLM_URL"):
+        yield running_vllm(os.environ["DPMESH_TEST_VLLM_URL"])
+        return
+    venv = request.getfixturevalue("vllm_python_venv")
     workdir = tmp_path_factory.mktemp("vllm")
     with start_vllm(
-        vllm_python_venv,
+        venv,
         ensure_tiny_model(),
         workdir,
         dp_size=2,
@@ -46,3 +53,8 @@ def vllm_server(vllm_python_venv, tmp_path_factory):
         num_blocks=BLOCKS_PER_RANK,
     ) as server:
         yield server
+
+
+def running_vllm(url: str) -> VLLMServer:
+    events = os.environ.get("DPMESH_TEST_VLLM_EVENTS", "").split(",")
+    return VLLMServer(None, url, [e for e in events if e], BLOCK_SIZE, 2)
