@@ -20,6 +20,12 @@ SAMPLES = {
     "prompt_tokens": "dpmesh_engine_prompt_tokens_total",
     "cached_tokens": "dpmesh_engine_cached_tokens_total",
 }
+# vLLM's names for the same, per DP rank (label ``engine``)
+VLLM_SAMPLES = {
+    "requests": "vllm:request_success_total",
+    "prompt_tokens": "vllm:prefix_cache_queries_total",
+    "cached_tokens": "vllm:prefix_cache_hits_total",
+}
 
 Snapshot = dict[str, dict[int, float]]  # quantity -> rank -> value
 
@@ -31,14 +37,15 @@ def metrics_url(url: str) -> str:
 
 def parse(text: str) -> Snapshot:
     """Per-rank values of the counters in :data:`SAMPLES` (summed over other labels)."""
-    wanted = {sample: key for key, sample in SAMPLES.items()}
+    wanted = {sample: key for key, sample in (*SAMPLES.items(), *VLLM_SAMPLES.items())}
     out: Snapshot = {key: {} for key in SAMPLES}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             key = wanted.get(sample.name)
-            if key is None or "rank" not in sample.labels:
+            label = sample.labels.get("rank", sample.labels.get("engine"))
+            if key is None or label is None:
                 continue
-            rank = int(sample.labels["rank"])
+            rank = int(label)
             out[key][rank] = out[key].get(rank, 0.0) + sample.value
     return out
 

@@ -41,6 +41,25 @@ def add_router_arguments(
         help="one target per DP rank (from /server_info dp_size); inject data_parallel_rank",
     )
     parser.add_argument("--policy", default=None, choices=POLICY_NAMES)
+    # what discovery cannot know or gets wrong, for every --worker-urls worker (POST /workers's
+    # fields of the same names do it per worker)
+    parser.add_argument(
+        "--worker-dp-size",
+        "--intra-node-data-parallel-size",  # vllm-router's name
+        dest="worker_dp_size",
+        type=int,
+        default=None,
+        help="the workers' DP size, instead of what discovery finds",
+    )
+    parser.add_argument("--worker-block-size", type=int, default=None)
+    parser.add_argument("--worker-tokenizer-path", default=None)
+    parser.add_argument(
+        "--worker-kv-events",
+        nargs="+",
+        default=None,
+        metavar="ENDPOINT",
+        help="vLLM: its ZMQ KV-event publishers, one per rank (or the first, the next ports after)",
+    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=port)
     parser.add_argument(
@@ -101,8 +120,15 @@ class RouterProcess:
     is ``loading`` and /health answers 503 ``starting``.
     """
 
-    def __init__(self, router: Router, worker_urls: list[str], policy_flag: str | None = None):
+    def __init__(
+        self,
+        router: Router,
+        worker_urls: list[str],
+        policy_flag: str | None = None,
+        overrides: dict | None = None,
+    ):
         self.router, self.worker_urls, self.policy_flag = router, worker_urls, policy_flag
+        self.overrides = overrides or None  # for each of worker_urls
         router.fleet.loading = True  # from before the socket listens until start() is done
         self.fleet_sync = FleetSync(router)
         self.index_sync: IndexSync | None = None
@@ -115,7 +141,7 @@ class RouterProcess:
         try:
             restored = await self.fleet_sync.sync()
             for url in self.worker_urls:
-                await worker_add(url=url, strict=False, runtime=router)
+                await worker_add(url=url, strict=False, overrides=self.overrides, runtime=router)
             await policy_adopt(router=router, flag=self.policy_flag)
         except Exception:  # /health stays 503: this process has no fleet to serve
             logger.exception("router startup failed")
@@ -172,7 +198,14 @@ def serve_router(opts: dict, on_ready=None) -> None:
     from controlplane.asgi import build_application
 
     router = Router(RouterConfig.from_options(opts))
-    process = RouterProcess(router, list(opts.get("worker_urls") or []), opts.get("policy"))
+    overrides = {
+        name: opts.get(f"worker_{name}")
+        for name in ("dp_size", "block_size", "tokenizer_path", "kv_events")
+        if opts.get(f"worker_{name}") is not None
+    }
+    process = RouterProcess(
+        router, list(opts.get("worker_urls") or []), opts.get("policy"), overrides
+    )
     loop = reactor._asyncioEventloop
     loop.call_soon(lambda: asyncio.ensure_future(process.start()))
     host, port = opts.get("host") or "127.0.0.1", opts.get("port") or DEFAULT_ROUTER_PORT

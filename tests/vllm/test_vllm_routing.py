@@ -7,7 +7,6 @@ its block rules allow, and precise mode from its ZMQ KV events."""
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 
 import httpx
