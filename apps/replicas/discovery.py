@@ -139,11 +139,13 @@ def _int(value) -> int | None:
     return number if number > 0 else None
 
 
-VOLATILE_KEYS = ("ranks",)  # live state in our engine's /server_info (pids, requests in flight)
+# live state in our engine's /server_info (pids, requests in flight), and what discovery adds
+VOLATILE_KEYS = ("ranks", "flavour", "sources")
 
 
 def stable_info(info: dict) -> dict:
-    """``info`` without its live state: what identifies the worker's configuration."""
+    """``info`` without its live state and discovery's own notes: what identifies the worker's
+    configuration (a refresh that finds the same saves nothing)."""
     return {k: v for k, v in (info or {}).items() if k not in VOLATILE_KEYS}
 
 

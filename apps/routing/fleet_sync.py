@@ -29,6 +29,7 @@ def _fingerprint(worker, rank_ids: dict) -> tuple:
         worker.dp_aware,
         worker.draining,
         json.dumps(stable_info(worker.server_info), sort_keys=True),
+        json.dumps(worker.overrides, sort_keys=True),
         tuple(sorted(rank_ids.items(), key=str)),
     )
 
