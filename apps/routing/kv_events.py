@@ -71,6 +71,9 @@ class KVEventsFeed(DispatchObserver):
         """The digests of a request just routed to ``key``."""
         if key in self.followed:
             self.pending.setdefault(key, Counter()).update(digests)
+        decoder = self.decoders.get(key)
+        if decoder is not None:  # a vLLM rank: what the router sent, to check the events against
+            decoder.routed(digests)
 
     def metric_families(self):
         yield CounterMetricFamily(
@@ -248,7 +251,7 @@ class KVEventsFeed(DispatchObserver):
             logger.warning("KV events of %s: messages lost before seq %d", key, seq)
         stored = [d for kind, digests in batch.events if kind == "stored" for d in digests]
         if stored:
-            decoder.check_language(stored, set(self.pending.get(key) or ()))
+            decoder.check_language(stored)
         self.apply_events(key, batch.events, snapshot=[] if batch.cleared else None)
 
     def apply(self, worker_id: int, message: dict) -> bool:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import msgspec
@@ -38,6 +39,7 @@ POSITIONAL = {  # field order of the array form, after the type name
     "AllBlocksCleared": (),
 }
 MISMATCH_AFTER_BLOCKS = 16  # stored blocks of which none was ever routed: the digests differ
+RECENT_ROUTED = 65_536  # routed digests remembered per rank for that check
 
 
 @dataclass
@@ -62,6 +64,18 @@ class RankDecoder:
         self.mismatch: str | None = None  # why the events cannot match the router's digests
         self.stored_blocks = 0
         self.routed_hits = 0  # stored digests the router had routed there: the languages agree
+        self.recent_routed: OrderedDict[int, None] = OrderedDict()  # bounded, newest last
+        self.routed_blocks = 0
+
+    def routed(self, digests: list[int]) -> None:
+        """The router sent a request with these block digests to this rank."""
+        self.routed_blocks += len(digests)
+        recent = self.recent_routed
+        for digest in digests:
+            recent[digest] = None
+            recent.move_to_end(digest)
+        while len(recent) > RECENT_ROUTED:
+            recent.popitem(last=False)
 
     def decode(self, seq: int, payload: bytes) -> Translated:
         out = Translated(gap=self.last_seq is not None and seq != self.last_seq + 1)
@@ -120,14 +134,16 @@ class RankDecoder:
         self.stored_blocks += len(digests)
         return digests
 
-    def check_language(self, stored: list[int], routed: set[int]) -> None:
-        """Called with the digests just stored and the ones the router sent there lately: when
-        many blocks arrive and none was ever routed, the router's tokenizer, chat template or
-        block size is not the engine's (the anchors' silent-0 % failure): say so."""
-        self.routed_hits += sum(1 for d in stored if d in routed)
+    def check_language(self, stored: list[int]) -> None:
+        """Called with the digests just stored: once the router has sent many blocks here and
+        none of the many the engine stored is one of them, the router's tokenizer or chat
+        template is not the engine's (the anchors' silent-0 % failure): say so. (Blocks other
+        clients sent vLLM directly never match; they do not count against it.)"""
+        self.routed_hits += sum(1 for d in stored if d in self.recent_routed)
         if (
             self.routed_hits == 0
             and self.stored_blocks >= MISMATCH_AFTER_BLOCKS
+            and self.routed_blocks >= MISMATCH_AFTER_BLOCKS
             and not self.mismatch
         ):
             self.mismatch = (

