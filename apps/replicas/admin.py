@@ -20,7 +20,7 @@ from django.core.exceptions import ValidationError
 from django.db.models import Count
 from django.utils.html import format_html, format_html_join
 
-from apps.replicas.discovery import DiscoveryError
+from apps.replicas.discovery import DiscoveryError, effective_info
 from apps.replicas.models import Rank, RankSample, Worker, WorkerEvent
 from apps.replicas.runtime import runtime_of
 from apps.replicas.services import normalize_url, worker_add, worker_remove, worker_set_draining
@@ -148,6 +148,7 @@ class RankInline(ReadOnly, RankHitRates, admin.TabularInline):
 class WorkerAdmin(admin.ModelAdmin):
     list_display = [
         "url",
+        "flavour",
         "model_name",
         "dp_size",
         "health",
@@ -179,7 +180,10 @@ class WorkerAdmin(admin.ModelAdmin):
             "Health",
             {"fields": ["health", "health_detail", "last_checked_at", "created_at", "updated_at"]},
         ),
-        ("Discovery", {"fields": ["server_info_json"]}),
+        (
+            "Discovery",
+            {"fields": ["flavour", "discovery_sources", "overrides", "server_info_json"]},
+        ),
         (f"Health history (last {HISTORY_LENGTH} events)", {"fields": ["health_history"]}),
     ]
     readonly_fields = [
@@ -194,6 +198,9 @@ class WorkerAdmin(admin.ModelAdmin):
         "updated_at",
         "server_info_json",
         "health_history",
+        "flavour",
+        "discovery_sources",
+        "overrides",
     ]
     inlines = [RankInline]
     actions = ["drain_selected", "undrain_selected"]
@@ -209,6 +216,17 @@ class WorkerAdmin(admin.ModelAdmin):
     @admin.display(description="ranks", ordering="rank_count")
     def rank_count(self, worker):
         return worker.rank_count
+
+    @admin.display(description="flavour")
+    def flavour(self, worker):
+        return (worker.server_info or {}).get("flavour") or "—"
+
+    @admin.display(description="where each fact came from")
+    def discovery_sources(self, worker):
+        sources = effective_info(worker.server_info, worker.overrides).get("sources") or {}
+        if not sources:
+            return "—"
+        return format_html_join("", "<div>{}: {}</div>", sorted(sources.items()))
 
     @admin.display(description="server_info")
     def server_info_json(self, worker):

@@ -150,14 +150,8 @@ class KVEventsFeed(DispatchObserver):
         for view in self.router.fleet.workers.values():
             if not view.dp_aware:
                 continue
-            if view.kv_events:
-                out[view.worker_id] = (
-                    "sse",
-                    view.url,
-                    view.kv_events,
-                    view.api_key,
-                    view.instance_id,
-                )
+            if view.kv_events:  # (url, path, key, instance): a restart starts a new reader
+                out[view.worker_id] = (view.url, view.kv_events, view.api_key, view.instance_id)
             elif view.zmq_kv_events:
                 out[view.worker_id] = ("zmq", view.url, view.zmq_kv_events, view.block_size)
         return out
@@ -192,7 +186,7 @@ class KVEventsFeed(DispatchObserver):
     async def _follow(self, worker_id: int, spec: tuple) -> None:
         if spec[0] == "zmq":
             return await self._follow_vllm(worker_id, *spec[1:])
-        _, url, path, api_key, _ = spec
+        url, path, api_key, _ = spec
         backoff = 0.5
         while True:
             try:
