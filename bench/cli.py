@@ -205,9 +205,8 @@ async def measure(
 
 def run(args) -> dict:
     """Benchmark as ``args`` say; print the table, write ``--json``; return the report."""
-    api_key = (
-        os.environ.get("OPENAI_API_KEY") or None
-    )  # like vLLM's bench: the key comes from the environment
+    # like vLLM's bench: the key comes from the environment
+    api_key = os.environ.get("OPENAI_API_KEY") or None
     info = discover(args.base_url, api_key)
     tokenizer = load_tokenizer(args, info)
     workload = build_workload(args, info, tokenizer)

@@ -192,9 +192,8 @@ window wing winter wire wish with woman wonder wood word work world write yard y
 def random_text(rng: random.Random, n_tokens: int, tokenizer=None) -> str:
     """Random words of about ``n_tokens`` tokens (exactly measured when a tokenizer is given)."""
     if tokenizer is None:
-        return " ".join(
-            rng.choice(WORDS) for _ in range(max(1, n_tokens * 3 // 4))
-        )  # ~1.3 tokens a word
+        # ~1.3 tokens a word
+        return " ".join(rng.choice(WORDS) for _ in range(max(1, n_tokens * 3 // 4)))
     words = [rng.choice(WORDS) for _ in range(max(1, n_tokens))]  # every word is at least one token
     lo, hi = 1, len(words)
     while lo < hi:  # the most words whose text stays within n_tokens

@@ -143,9 +143,8 @@ def measure(
     urls = [url] if isinstance(url, str) else url
     for one in urls:
         check_once(one)
-        wrk(
-            one, 1, 2, script
-        )  # warm-up: connections, the tokenizer/index paths, the JIT-less caches
+        # warm-up: connections, the tokenizer/index paths, the JIT-less caches
+        wrk(one, 1, 2, script)
     for c in args.connections:
         if len(urls) > 1:
             if c < len(urls):

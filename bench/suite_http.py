@@ -284,9 +284,8 @@ def start_targets(stack: contextlib.ExitStack, args, out: Path, model: str) -> l
         if args.workload != "random":
             raise SystemExit("the in-process target runs the random workload only")
         targets.append(InProcessTarget(args.threads, out))
-    if (
-        "engine" in args.targets
-    ):  # one server per prompt format: the two must not warm each other's cache
+    # one server per prompt format: the two must not warm each other's cache
+    if "engine" in args.targets:
         threads = ["--threads-per-rank", str(args.threads)] if args.threads else []
         for name, flags in (("engine-ids", []), ("engine-text", ["--prompt-format", "text"])):
             port = free_port()
@@ -330,9 +329,8 @@ def start_targets(stack: contextlib.ExitStack, args, out: Path, model: str) -> l
             str(port),
             model,
         ]
-        env = (
-            {"OMP_NUM_THREADS": str(args.threads)} if args.threads else None
-        )  # torch's intra-op pool size
+        # torch's intra-op pool size
+        env = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else None
         proc = stack.enter_context(server(cmd, url, out / "tf-serve.log", env=env))
         flags = [
             "--model",
@@ -364,9 +362,8 @@ def main(argv: list[str] | None = None) -> int:
         help="torch threads for every target (default: each its own default, all cores)",
     )
     args = parser.parse_args(argv)
-    signal.signal(
-        signal.SIGTERM, lambda *_: sys.exit(143)
-    )  # unwind, so the servers it started are stopped
+    # unwind, so the servers it started are stopped
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     from engine.tiny import ensure_tiny_model

@@ -177,9 +177,8 @@ class LLMEngine:
         elif seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
             reason = "length"
         if reason:
-            if (
-                token in req.stop_ids
-            ):  # like vLLM: a stop token's own text is not part of the output
+            # like vLLM: a stop token's own text is not part of the output
+            if token in req.stop_ids:
                 req.detok.flush(seq.output_token_ids[:-1])
             elif not matched_stop_string:
                 req.detok.flush(seq.output_token_ids)

@@ -163,9 +163,8 @@ class ModelRunner:
                 decode_ctx.append(ctx_slots)
                 continue
             mask = None
-            if (
-                item.start > 0
-            ):  # queries see the whole cached prefix plus a causal window of their own
+            # queries see the whole cached prefix plus a causal window of their own
+            if item.start > 0:
                 q_pos = torch.arange(item.start, end, device=self.device).unsqueeze(1)
                 mask = torch.arange(end, device=self.device).unsqueeze(0) <= q_pos
             prefills.append(

@@ -25,9 +25,8 @@ def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     if top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True)
         cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
-        drop = (
-            cum - torch.softmax(sorted_logits, dim=-1) >= top_p
-        )  # keep the token that crosses top_p
+        # keep the token that crosses top_p
+        drop = cum - torch.softmax(sorted_logits, dim=-1) >= top_p
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
     return logits
 

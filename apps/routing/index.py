@@ -71,9 +71,8 @@ class PrefixIndex:
                 self.branching.add(parent)
         now = self.clock()
         lru = self.ranks.setdefault(key, OrderedDict())
-        for digest in reversed(
-            digests
-        ):  # the head ends most recent: like the engine, evict tails first
+        # the head ends most recent: like the engine, evict tails first
+        for digest in reversed(digests):
             if digest in lru:
                 lru.move_to_end(digest)
             else:

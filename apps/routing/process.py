@@ -186,9 +186,8 @@ class RouterProcess:
 def serve_router(opts: dict, on_ready=None) -> None:
     """Run a router process (blocking) until SIGINT/SIGTERM."""
     for flag, name in (("api_key", "API_KEYS"), ("admin_key", "ADMIN_KEYS")):
-        if opts.get(
-            flag
-        ):  # a new dict: the settings' default stays untouched for whoever copied it
+        # a new dict: the settings' default stays untouched for whoever copied it
+        if opts.get(flag):
             settings.CONTROL_PLANE = {**settings.CONTROL_PLANE, name: ",".join(opts[flag])}
     from daphne.server import Server  # installs the asyncio reactor first
     from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler

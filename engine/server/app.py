@@ -161,9 +161,8 @@ class EngineApp:
             try:
                 item = await asyncio.wait_for(sub.queue.get(), KV_KEEPALIVE_S)
             except TimeoutError:
-                await send_chunk(
-                    send, b": keepalive\n\n"
-                )  # lets the reader tell a quiet engine from a dead one
+                # lets the reader tell a quiet engine from a dead one
+                await send_chunk(send, b": keepalive\n\n")
                 continue
             if item is None:
                 break

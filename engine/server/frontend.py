@@ -53,9 +53,8 @@ class RankState:
     inflight_tokens: int = 0
     counters: RankCounters = field(default_factory=RankCounters)
     streams: dict[str, asyncio.Queue] = field(default_factory=dict)
-    cached: set[int] = field(
-        default_factory=set
-    )  # digests the rank's prefix cache holds (its KV events)
+    # digests the rank's prefix cache holds (its KV events)
+    cached: set[int] = field(default_factory=set)
 
     @property
     def alive(self) -> bool:
@@ -115,9 +114,8 @@ class EngineClient:
         for state in self.ranks:
             inbox_r, inbox_w = ctx.Pipe(duplex=False)
             outbox_r, outbox_w = ctx.Pipe(duplex=False)
-            device = (
-                f"cuda:{state.rank}" if self.config.device == "cuda" else self.config.device
-            )  # rank r on GPU r
+            # rank r on GPU r
+            device = f"cuda:{state.rank}" if self.config.device == "cuda" else self.config.device
             cfg = replace(
                 self.config,
                 num_threads=threads_per_rank,
@@ -184,10 +182,8 @@ class EngineClient:
             except (EOFError, OSError):
                 break
             if isinstance(msg, RankReady):
-                state.info, state.ready = (
-                    msg,
-                    True,
-                )  # set from this thread: /health may run before bind
+                # set from this thread: /health may run before bind
+                state.info, state.ready = msg, True
                 continue
             self._call(self._on_outputs, state, msg)
         state.process.join(timeout=5)

@@ -118,9 +118,8 @@ def build(args):
     dp_size, tp_size = resolve_dp_size(args)
     if dp_size < 1:
         raise SystemExit("--dp-size must be >= 1")
-    model_path = resolve_model_path(
-        args.model
-    )  # builds the tiny model once, before the ranks race for it
+    # builds the tiny model once, before the ranks race for it
+    model_path = resolve_model_path(args.model)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     config = EngineConfig(
         model=model_path,
@@ -218,9 +217,8 @@ def serve(args) -> int:
         format="%(asctime)s %(levelname)s [front] %(name)s: %(message)s",
     )
     logging.getLogger("transformers").setLevel(logging.WARNING)
-    from daphne.server import (
-        Server,
-    )  # installs the asyncio reactor; must come before twisted.internet.reactor
+    # installs the asyncio reactor; must come before twisted.internet.reactor
+    from daphne.server import Server
     from twisted.internet import reactor
 
     from engine.server.app import EngineApp
