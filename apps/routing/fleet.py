@@ -43,6 +43,16 @@ class WorkerView:
     zmq_kv_events: tuple[str, ...] = ()
     consecutive_failures: int = 0
     consecutive_successes: int = 0
+    # it refused connections (its process gone, or its host): when it answers again it may be
+    # another process with empty caches (apps/routing/health.py)
+    lost: bool = False
+
+    def keep_live_state(self, old: WorkerView) -> None:
+        """A reinstalled row's view takes over what the router has seen of the worker (the
+        database row holds the last recorded health, not the live one)."""
+        self.healthy, self.lost = old.healthy, old.lost
+        self.consecutive_failures = old.consecutive_failures
+        self.consecutive_successes = old.consecutive_successes
 
 
 @dataclass(eq=False)

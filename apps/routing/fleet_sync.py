@@ -56,8 +56,7 @@ class FleetSync:
             router.worker_saved(worker, rank_ids)
             new = router.fleet.workers.get(worker.id)
             if old is not None and new is not None and new is not old:  # health is live state
-                new.healthy, new.consecutive_failures = old.healthy, old.consecutive_failures
-                new.consecutive_successes = old.consecutive_successes
+                new.keep_live_state(old)
             if worker.server_info:  # undiscovered workers stay pending until the health loop
                 self.installed[worker.id] = fingerprint
         for worker_id in set(router.fleet.workers) - seen:

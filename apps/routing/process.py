@@ -17,7 +17,7 @@ from django.conf import settings
 from apps.replicas.services import worker_add
 from apps.routing import jobs
 from apps.routing.fleet_sync import FleetSync
-from apps.routing.health import health_loop
+from apps.routing.health import health_loop, probe_all
 from apps.routing.kv_events import KVEventsFeed
 from apps.routing.persist import stats_loop
 from apps.routing.policies import POLICY_NAMES
@@ -114,9 +114,12 @@ class RouterProcess:
 
     ``start`` (on the server's loop, before the first request is served) restores the fleet
     from the database, adds ``worker_urls`` (discovered now or, if not up yet, by the health
-    loop), adopts the recorded policy unless ``--policy`` was given, then starts the loops:
-    health checks, stats persistence, the database sync, the engines' KV events, the shared index
-    (with ``REDIS_URL``), and without a broker the periodic jobs. Until it is done, the fleet says
+    loop), probes every worker once (a restored one that does not answer serves nothing until it
+    does; one no longer in ``worker_urls`` stays registered: the database, which other router
+    processes share, is the fleet's record, and ``DELETE /workers/ID`` forgets it), adopts the
+    recorded policy unless ``--policy`` was given, then starts the loops: health checks, stats
+    persistence, the database sync, the engines' KV events, the shared index (with
+    ``REDIS_URL``), and without a broker the periodic jobs. Until it is done, the fleet says
     is ``loading`` and /health answers 503 ``starting``.
     """
 
@@ -142,6 +145,7 @@ class RouterProcess:
             restored = await self.fleet_sync.sync()
             for url in self.worker_urls:
                 await worker_add(url=url, strict=False, overrides=self.overrides, runtime=router)
+            await probe_all(router)  # restored workers may be long gone: none serves unprobed
             await policy_adopt(router=router, flag=self.policy_flag)
         except Exception:  # /health stays 503: this process has no fleet to serve
             logger.exception("router startup failed")

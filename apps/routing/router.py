@@ -241,6 +241,11 @@ class Router:
         for target in targets:
             self.index.set_capacity(target.key, target.worker.capacity_blocks)
 
+    def worker_cache_lost(self, worker_id: int) -> None:
+        """The worker's engine may have restarted unseen: forget what its ranks held."""
+        for target in self.fleet.targets.get(worker_id, []):
+            self.index.remove_rank(target.key)
+
     def worker_removed(self, worker_id: int) -> None:
         for target in self.fleet.targets.get(worker_id, []):
             self.index.remove_rank(target.key)

@@ -11,6 +11,9 @@ nothing has reached the client.
 3. an attempt that failed before anything reached the client (refused or reset, a connect
    timeout, 408/429/500/502/503/504) is retried on another target, with exponential backoff. A
    read timeout is not retried: the engine may be generating, and a retry would run it twice.
+   A refused connection takes the whole worker out at once (its ranks share the endpoint; a
+   reset is first confirmed by a probe), so the retry goes to another worker
+   (apps/routing/health.py).
 
 The router asks for the engine's usage on every stream (to learn its cached tokens); when the
 client did not ask for it, the usage-only event is dropped on the way.
@@ -26,6 +29,7 @@ import random
 
 import aiohttp
 
+from apps.routing import health
 from apps.routing.dispatch import Dispatch
 from apps.routing.router import NoTarget, Router
 from controlplane import http
@@ -126,8 +130,13 @@ async def _attempt(
             error = ProxyError(504, f"upstream {target.key} timed out: {exc!r}", "server_error")
             await send_body(send, error.status, error.body())
             return None
-        except aiohttp.ClientError as exc:
+        except aiohttp.ClientConnectorError as exc:  # refused: the whole worker is gone
             ending.unreachable = True
+            health.mark_unreachable(router, target.worker, f"unreachable: {exc!r}")
+            return ProxyError(502, f"upstream {target.key} unreachable: {exc!r}", "server_error")
+        except aiohttp.ClientError as exc:  # reset before an answer: dead, or a dropped socket?
+            ending.unreachable = True
+            await health.confirm_reachable(router, target.worker)
             return ProxyError(502, f"upstream {target.key} unreachable: {exc!r}", "server_error")
         if response.status in RETRYABLE and not last_try:
             ending.unreachable = True

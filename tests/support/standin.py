@@ -43,6 +43,7 @@ class Behaviour:
     token_interval_s: float = 0.0
     drop_after: int | None = None  # streamed: abort the connection after this many events
     cached_tokens: int = 0  # reported in usage.prompt_tokens_details
+    reset: bool = False  # abort the connection before answering anything
 
     @classmethod
     def hang(cls) -> Behaviour:
@@ -202,6 +203,9 @@ class StandIn:
         behaviour = self._choose(record.rank)
         if not await client_stays(reader, behaviour.head_delay_s):
             record.disconnected = True
+            return False
+        if behaviour.reset:
+            writer.transport.abort()
             return False
         rank_header = f"x-data-parallel-rank: {rank}\r\n" if isinstance(rank, int) else ""
         if behaviour.status != 200:
