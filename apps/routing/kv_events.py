@@ -153,7 +153,9 @@ class KVEventsFeed(DispatchObserver):
             if view.kv_events:  # (url, path, key, instance): a restart starts a new reader
                 out[view.worker_id] = (view.url, view.kv_events, view.api_key, view.instance_id)
             elif view.zmq_kv_events:
-                out[view.worker_id] = ("zmq", view.url, view.zmq_kv_events, view.block_size)
+                out[view.worker_id] = (
+                    "zmq", view.url, view.zmq_kv_events, view.block_size, view.zmq_replay
+                )  # fmt: skip
         return out
 
     def reconcile(self) -> None:
@@ -220,14 +222,20 @@ class KVEventsFeed(DispatchObserver):
                         if line.startswith(b"data: "):
                             self.apply(worker_id, json.loads(line[len(b"data: ") :]))
 
-    async def _follow_vllm(self, worker_id: int, url: str, endpoints: tuple, block_size) -> None:
-        """One ZMQ reader per rank (vLLM binds one publisher per rank: base port + rank)."""
+    async def _follow_vllm(
+        self, worker_id: int, url: str, endpoints: tuple, block_size, replay: tuple = ()
+    ) -> None:
+        """One ZMQ reader per rank (vLLM binds one publisher per rank: base port + rank), with
+        the rank's replay socket when it has one."""
         readers = []
         for rank, endpoint in enumerate(endpoints):
             key = target_key(url, rank)
             decoder = self.decoders[key] = RankDecoder(block_size)
             handler = functools.partial(self._on_vllm_message, worker_id, key, decoder)
-            readers.append(asyncio.ensure_future(vllm_events.follow(endpoint, handler)))
+            replay_at = replay[rank] if rank < len(replay) else None
+            readers.append(
+                asyncio.ensure_future(vllm_events.follow(endpoint, handler, replay=replay_at))
+            )
         self.connected.add(worker_id)
         try:
             await asyncio.gather(*readers)

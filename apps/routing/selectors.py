@@ -146,6 +146,9 @@ def build_snapshot(router) -> dict:
                     "kv_blocks_used": sample.kv_blocks_used if sample else None,
                     "kv_blocks_total": sample.kv_blocks_total if sample else None,
                     "scraped_at": sample.at.timestamp() if sample else None,
+                    # precise (KV events followed) or not, and why not: the observers know
+                    "precise": False,
+                    **{k: v for o in router.observers for k, v in o.target_state(key).items()},
                 }
             )
             fleet["requests"] += requests
@@ -162,6 +165,8 @@ def build_snapshot(router) -> dict:
                 "url": w.url,
                 "model": w.model_name,
                 "dp_size": w.dp_size,
+                "flavour": (w.server_info or {}).get("flavour")
+                or ("dpmesh" if w.server_info else None),
                 "health": health,
                 "health_detail": w.health_detail,
                 "draining": w.draining,

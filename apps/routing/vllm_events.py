@@ -78,7 +78,11 @@ class RankDecoder:
             recent.popitem(last=False)
 
     def decode(self, seq: int, payload: bytes) -> Translated:
-        out = Translated(gap=self.last_seq is not None and seq != self.last_seq + 1)
+        out = Translated(gap=self.last_seq is not None and seq > self.last_seq + 1)
+        if self.last_seq is not None and seq <= self.last_seq:
+            # the sequence started over: a new publisher, so a new vLLM process, its cache empty
+            self.digest_of.clear()
+            out.cleared = True
         self.last_seq = seq
         message = _decoder.decode(payload)
         events = message[1] if isinstance(message, list) and len(message) >= 2 else []
@@ -161,10 +165,15 @@ def _event_fields(event) -> tuple[str | None, dict]:
     return None, {}
 
 
-async def follow(endpoint: str, on_message, *, topic: bytes = b"") -> None:
-    """Read one rank's publisher until cancelled; ``on_message(seq, payload)`` per message.
-    ZMQ reconnects by itself; a reader that hears nothing keeps waiting (vLLM is silent while
-    idle), and the caller's reconcile loop replaces it when the worker changes."""
+async def follow(endpoint: str, on_message, *, topic: bytes = b"", replay: str | None = None):
+    """Read one rank's publisher until cancelled; ``on_message(seq, payload)`` per message, in
+    sequence order. ZMQ reconnects by itself; a reader that hears nothing keeps waiting (vLLM is
+    silent while idle), and the caller's reconcile loop replaces it when the worker changes.
+
+    With the rank's ``replay`` socket, what was missed is fetched before a message is handed on:
+    at the first message (everything the publisher still buffers: the rank's state, not just what
+    happens from now on), after a gap, and after the sequence started over (vLLM restarted and its
+    first messages went out before ZMQ had reconnected). Without one, the decoder counts the gap."""
     import zmq
     import zmq.asyncio
 
@@ -174,17 +183,57 @@ async def follow(endpoint: str, on_message, *, topic: bytes = b"") -> None:
     socket.setsockopt(zmq.SUBSCRIBE, topic)
     socket.connect(endpoint)
     logger.info("following vLLM's KV events at %s", endpoint)
+    last: int | None = None
+
+    def deliver(seq: int, payload: bytes) -> None:
+        try:
+            on_message(seq, payload)
+        except (msgspec.DecodeError, ValueError, TypeError) as exc:
+            logger.warning("undecodable KV-event message from %s: %r", endpoint, exc)
+
     try:
         while True:
             frames = await socket.recv_multipart()
             if len(frames) != 3:
                 continue
-            _, seq, payload = frames
-            try:
-                on_message(int.from_bytes(seq, "big", signed=True), payload)
-            except (msgspec.DecodeError, ValueError, TypeError) as exc:
-                logger.warning("undecodable KV-event message from %s: %r", endpoint, exc)
+            seq = int.from_bytes(frames[1], "big", signed=True)
+            missed_from = 0 if last is None or seq <= last else last + 1
+            if replay and seq > missed_from:
+                for old_seq, payload in await fetch_replay(context, replay, missed_from, seq):
+                    deliver(old_seq, payload)
+            deliver(seq, frames[2])
+            last = seq
     except asyncio.CancelledError:
         raise
+    finally:
+        socket.close(linger=0)
+
+
+REPLAY_TIMEOUT_S = 2.0
+
+
+async def fetch_replay(context, endpoint: str, start: int, stop: int) -> list[tuple[int, bytes]]:
+    """The messages ``start <= seq < stop`` a vLLM rank still buffers, from its ROUTER replay
+    socket: ask with the start seq (8 bytes, big-endian); it answers ``(topic, seq, payload)``
+    per message, then seq -1. What does not arrive within ``REPLAY_TIMEOUT_S`` stays missed."""
+    import zmq
+
+    socket = context.socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.connect(endpoint)
+    found: list[tuple[int, bytes]] = []
+    try:
+        await socket.send_multipart([b"", start.to_bytes(8, "big", signed=True)])
+        while await socket.poll(REPLAY_TIMEOUT_S * 1000):
+            frames = await socket.recv_multipart()
+            if len(frames) != 4:
+                continue
+            seq = int.from_bytes(frames[2], "big", signed=True)
+            if seq < 0:
+                return found
+            if start <= seq < stop:
+                found.append((seq, frames[3]))
+        logger.warning("replay from %s did not finish within %.0f s", endpoint, REPLAY_TIMEOUT_S)
+        return found
     finally:
         socket.close(linger=0)

@@ -99,6 +99,27 @@ def test_snapshot_puts_the_engine_and_the_router_side_by_side(router):
     json.dumps(snap)  # what the websocket sends must be JSON
 
 
+def test_each_rank_says_whether_its_index_is_precise_and_why_not(router):
+    """The flag /metrics carries (dpmesh_router_kv_events_precise) is on the dashboard too."""
+    from apps.routing.kv_events import KVEventsFeed
+    from apps.routing.vllm_events import RankDecoder
+
+    worker = make_worker(router)
+    feed = KVEventsFeed(router)
+    key0, key1 = (t.key for t in router.fleet.targets[worker.id])
+    feed.apply_events(key0, [("stored", [1, 2])])  # rank 0's events arrive
+    feed.decoders[key1] = RankDecoder(32)
+    feed.decoders[key1].mismatch = "vLLM stores blocks of 128 tokens; the router digests 32"
+    snap = build_snapshot(router)
+    assert snap["workers"][0]["flavour"] == "dpmesh"
+    rank0, rank1 = snap["workers"][0]["ranks"]
+    assert rank0["precise"] is True
+    assert rank1["precise"] is False and "128 tokens" in rank1["kv_events_mismatch"]
+    router.observers.remove(feed)
+    rank0, _ = build_snapshot(router)["workers"][0]["ranks"]
+    assert rank0["precise"] is False  # no KV-event feed: the router's own decisions only
+
+
 def test_in_flight_counts_every_router_process(router):
     worker = make_worker(router)
     t0 = router.fleet.targets[worker.id][0]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import msgspec
 
+from apps.routing.fleet import zmq_endpoints, zmq_replay_endpoints
 from apps.routing.vllm_events import MISMATCH_AFTER_BLOCKS, RankDecoder
 from engine.digests import chain_digests
 
@@ -84,3 +85,29 @@ def test_a_tokenizer_mismatch_is_named_once_enough_blocks_match_nothing_routed()
     other.routed(list(range(MISMATCH_AFTER_BLOCKS)))  # it sent other blocks: the digests differ
     other.check_language(stored)
     assert "tokenizer or chat template" in other.mismatch
+
+
+def test_a_sequence_that_starts_over_is_a_new_process_with_an_empty_cache():
+    decoder = RankDecoder(BS)
+    decoder.decode(40, payload(stored_map([11, 12], None, TOKENS[:8])))
+    batch = decoder.decode(0, payload(stored_map([21], None, TOKENS[:4])))  # vLLM restarted
+    assert batch.cleared and not batch.gap
+    assert batch.events == [("stored", DIGESTS[:1])] and decoder.digest_of == {21: DIGESTS[0]}
+
+
+def test_publishers_and_replay_sockets_are_read_apart_from_kv_event_sources():
+    """vLLM's /kv_event_sources: each rank's KVEventsConfig, both endpoints offset by rank."""
+    sources = {
+        str(r): {"enable_kv_cache_events": True, "publisher": "zmq",
+                 "endpoint": f"tcp://*:{5557 + r}", "replay_endpoint": f"tcp://*:{5600 + r}",
+                 "buffer_steps": 10000, "topic": "kv-events"}
+        for r in range(2)
+    }  # fmt: skip
+    info = {"flavour": "vllm", "dp_size": 2, "kv_event_sources": sources}
+    url = "http://10.0.0.5:8000"
+    assert zmq_endpoints(url, info) == ("tcp://10.0.0.5:5557", "tcp://10.0.0.5:5558")
+    assert zmq_replay_endpoints(url, info, 2) == ("tcp://10.0.0.5:5600", "tcp://10.0.0.5:5601")
+    for rank in sources.values():
+        rank["replay_endpoint"] = None
+    assert zmq_replay_endpoints(url, info, 2) == ()
+    assert zmq_endpoints(url, info) == ("tcp://10.0.0.5:5557", "tcp://10.0.0.5:5558")

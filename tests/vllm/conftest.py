@@ -38,9 +38,10 @@ def vllm_python_venv():
 def vllm_server(request, tmp_path_factory):
     """The vLLM of the one module that uses it (module scope, not session: pytest-django runs
     database tests first, so a session-wide vLLM would sit on both cores for the rest of the
-    suite). ``DPMESH_TEST_VLLM_URL`` (with ``DPMESH_TEST_VLLM_EVENTS``, its ZMQ
-    endpoints comma-separated) reuses one already running with this file's settings instead, for
-    a quicker edit-run loop while working on these tests."""
+    suite). ``DPMESH_TEST_VLLM_URL`` (with ``DPMESH_TEST_VLLM_EVENTS`` and
+    ``DPMESH_TEST_VLLM_REPLAY``, its ZMQ endpoints comma-separated) reuses one already running
+    with this file's settings instead, for a quicker edit-run loop while working on these
+    tests."""
     if os.environ.get("DPMESH_TEST_VLLM_URL"):
         yield running_vllm(os.environ["DPMESH_TEST_VLLM_URL"])
         return
@@ -53,10 +54,16 @@ def vllm_server(request, tmp_path_factory):
         dp_size=2,
         block_size=BLOCK_SIZE,
         num_blocks=BLOCKS_PER_RANK,
+        replay=True,
     ) as server:
+        holder = [server]
+        request.module.vllm_holder = holder  # the restart test starts another in its place
         yield server
+        if holder[-1] is not server:
+            holder[-1].stop()
 
 
 def running_vllm(url: str) -> VLLMServer:
     events = os.environ.get("DPMESH_TEST_VLLM_EVENTS", "").split(",")
-    return VLLMServer(None, url, [e for e in events if e], BLOCK_SIZE, 2)
+    replay = os.environ.get("DPMESH_TEST_VLLM_REPLAY", "").split(",")
+    return VLLMServer(None, url, [e for e in events if e], BLOCK_SIZE, 2, [e for e in replay if e])

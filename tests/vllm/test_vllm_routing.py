@@ -261,3 +261,127 @@ async def test_precise_mode_mirrors_what_vllm_keeps_after_it_evicts(router, clie
         feed_task.cancel()
         reader.cancel()
         await asyncio.gather(feed_task, reader, return_exceptions=True)
+
+
+async def test_replay_gives_a_late_reader_what_vllm_already_holds(router, client, vllm_server):
+    """vLLM cached prompts before the router followed its events (the router started later):
+    its first event makes the reader fetch what the rank's replay socket still buffers, so the
+    index knows those blocks too, in the router's digests, not only what happens from now on."""
+    assert vllm_server.replay, "this vLLM has no replay sockets"
+    view = next(iter(router.fleet.workers.values()))
+    assert list(view.zmq_replay) == vllm_server.replay  # discovered from /kv_event_sources
+    stop, held = asyncio.Event(), [set() for _ in vllm_server.kv_events]
+    reader = asyncio.ensure_future(vllm_cache(vllm_server.kv_events, stop, held))
+    await asyncio.sleep(1.0)
+    rng = random.Random(11)
+    early = [[rng.randrange(100, 4000) for _ in range(4 * BLOCK_SIZE + 3)] for _ in range(2)]
+    async with httpx.AsyncClient(base_url=vllm_server.url, timeout=120) as direct:
+        for rank, prompt in enumerate(early):  # not through the router: it cannot know them
+            r = await direct.post(
+                "/v1/completions",
+                json={"model": "tiny", "prompt": prompt, "max_tokens": 1},
+                headers={"X-data-parallel-rank": str(rank)},
+            )
+            assert r.status_code == 200, r.text
+    feed = KVEventsFeed(router)
+    feed_task = asyncio.ensure_future(feed.run())
+    try:
+        await asyncio.sleep(1.0)  # the feed's subscribers are connected
+        for rank in (0, 1):  # one new event per rank: the reader catches up first
+            late = [rng.randrange(100, 4000) for _ in range(2 * BLOCK_SIZE + 1)]
+            r = await client.post(
+                "/v1/completions",
+                json={"prompt": late, "max_tokens": 1, "data_parallel_rank": rank},
+            )
+            assert r.status_code == 200, r.text
+        from engine.digests import chain_digests
+
+        for _ in range(50):
+            known = [
+                set(chain_digests(p, BLOCK_SIZE)) <= set(router.index.ranks.get(k, {}))
+                for p, k in zip(early, [f"{vllm_server.url}@{r}" for r in (0, 1)], strict=True)
+            ]
+            if all(known):
+                break
+            await asyncio.sleep(0.2)
+        assert all(known), known  # the blocks vLLM cached before the router listened
+        for rank in (0, 1):
+            key = f"{vllm_server.url}@{rank}"
+            digest_of = feed.decoders[key].digest_of
+            assert {digest_of[h] for h in held[rank] if h in digest_of} <= set(
+                router.index.ranks[key]
+            )
+            assert feed.target_state(key)["precise"]
+    finally:
+        stop.set()
+        feed_task.cancel()
+        reader.cancel()
+        await asyncio.gather(feed_task, reader, return_exceptions=True)
+
+
+# Last in the module: it kills the module's vLLM and starts another in its place.
+async def test_a_killed_vllm_is_out_at_once_and_taken_back_with_an_empty_index(
+    router, client, vllm_server, vllm_python_venv, tmp_path
+):
+    import os
+    import signal
+
+    from apps.routing.health import check_worker
+    from bench.vllm import start_vllm
+
+    holder = globals()["vllm_holder"]
+    router.config.health_success_threshold = 1
+    feed = KVEventsFeed(router)
+    feed_task = asyncio.ensure_future(feed.run())
+    view = next(iter(router.fleet.workers.values()))
+    keys = [t.key for t in router.fleet.targets[view.worker_id]]
+    try:
+        await asyncio.sleep(1.0)
+        prompt = list(range(100, 100 + 3 * BLOCK_SIZE + 1))
+        r = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1})
+        assert r.status_code == 200, r.text
+        assert any(router.index.size(k) for k in keys)
+        for _ in range(50):  # the feed has read the old publishers' (long) sequences
+            if all((feed.decoders[k].last_seq or 0) >= 10 for k in keys):
+                break
+            await asyncio.sleep(0.2)
+
+        os.killpg(vllm_server.process.proc.pid, signal.SIGKILL)  # the API server and its ranks
+        vllm_server.process.proc.wait(30)
+        retries = router.stats.retries
+        r = await client.post("/v1/completions", json=COMPLETION)
+        # one refusal took both ranks out: no attempt on the other rank of the same dead engine
+        assert r.status_code in (502, 503) and "error" in r.json(), r.text
+        assert router.stats.retries == retries + 1
+        assert not router.fleet.workers[view.worker_id].healthy
+        await check_worker(router, router.fleet.workers[view.worker_id])  # still down
+        assert not router.fleet.workers[view.worker_id].healthy
+
+        again = start_vllm(
+            vllm_python_venv, ensure_tiny_model(), tmp_path, **vllm_server.restart_args
+        )
+        holder.append(again)
+        await check_worker(router, router.fleet.workers[view.worker_id])
+        back = router.fleet.workers[view.worker_id]
+        assert back.healthy and not back.lost
+        assert all(router.index.size(k) == 0 for k in keys)  # a new process: its cache is empty
+        ranks = set()
+        for i in range(4):
+            body = {**COMPLETION, "prompt": f"welcome back {i}", "data_parallel_rank": i % 2}
+            r = await client.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            ranks.add(r.headers["x-data-parallel-rank"])
+        assert ranks == {"0", "1"}
+
+        def started_over() -> bool:  # the new publishers' sequences began again at 0
+            return all((feed.decoders[k].last_seq or 0) < 10 for k in keys)
+
+        for _ in range(50):
+            if started_over():
+                break
+            await asyncio.sleep(0.2)
+        assert started_over(), [feed.decoders[k].last_seq for k in keys]
+        assert all(t.load.idle for t in router.fleet.all_targets())
+    finally:
+        feed_task.cancel()
+        await asyncio.gather(feed_task, return_exceptions=True)

@@ -166,6 +166,7 @@
     ["kv_blocks", null, "num"],
     ["health", null, "left"],
     ["circuit", null, "left"],
+    ["index", null, "left"],
   ];
   const COLSPAN = String(RANK_COLUMNS.length + 1);
 
@@ -188,7 +189,7 @@
 
   function updateWorkerHeader(group, w) {
     // The header is small and rarely changes: rebuild it only when its content would differ.
-    const key = JSON.stringify([w.id, w.url, w.model, w.dp_size, w.health, w.health_detail, w.draining]);
+    const key = JSON.stringify([w.id, w.url, w.model, w.flavour, w.dp_size, w.health, w.health_detail, w.draining]);
     if (group.key === key) return;
     group.key = key;
     const parts = [
@@ -196,6 +197,7 @@
       el("span", { class: "worker-url", "data-worker-field": "url" }, w.url || DASH),
       el("span", { class: "muted" }, `model ${w.model || DASH}`),
       el("span", { class: "muted" }, `dp ${fmtInt(w.dp_size)}`),
+      el("span", { class: "muted", "data-worker-field": "flavour" }, w.flavour || DASH),
       badge(w.health || "unknown", healthClass(w.health)),
     ];
     if (w.draining) parts.push(badge("draining", "warn"));
@@ -238,6 +240,13 @@
     setText(c.circuit, circuit);
     const circuitCls = circuit === "closed" ? "ok" : circuit === "open" ? "bad" : circuit === "half_open" ? "warn" : "unknown";
     c.circuit.className = `left state-${circuitCls}`;
+
+    // precise: the index follows the engine's KV events; a mismatch (block size, tokenizer) says why
+    // they cannot match, instead of a silent 0 % hit rate
+    const index = r.kv_events_mismatch ? "mismatch" : r.precise ? "precise" : "approximate";
+    setText(c.index, index);
+    c.index.className = `left state-${index === "precise" ? "ok" : index === "mismatch" ? "bad" : "unknown"}`;
+    c.index.title = r.kv_events_mismatch || (r.precise ? "follows the engine's KV events" : "the router's own decisions only");
 
     c.gap.classList.toggle("warn", isNum(r.gap) && Math.abs(r.gap) > GAP_WARN);
 
