@@ -4,12 +4,16 @@ ids the engine will see (engine.digests), from the worker's own tokenizer and ch
 A chat request is templated exactly as the engine templates it; matching raw message text
 against a cache of templated tokens is how other routers end up with zero overlap. A worker
 whose tokenizer we cannot load gets digests of 64-character chunks of the routing text instead.
+
+Tokenizers are engine.tokenizer's lean ones (tokenizers + jinja2, rendering as transformers does):
+importing transformers would import torch and cost the router hundreds of MB.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
 
 import xxhash
 
@@ -22,10 +26,33 @@ CHUNK_CHARS = 64
 
 @functools.lru_cache(maxsize=16)
 def load_tokenizer(path: str):
-    from transformers import AutoTokenizer
+    """The tokenizer of the model directory ``path``, loaded once. A directory without
+    ``tokenizer.json`` (SentencePiece only) still loads, through transformers (and torch)."""
+    from engine.tokenizer import load_tokenizer as load_lean
 
     logger.info("loading tokenizer from %s", path)
+    try:
+        return load_lean(path)
+    except ValueError:
+        if not os.path.isdir(path) or os.path.isfile(os.path.join(path, "tokenizer.json")):
+            raise
+    logger.warning("%s has no tokenizer.json: loading it with transformers (imports torch)", path)
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(path)
+
+
+@functools.lru_cache(maxsize=16)
+def _tokenizer_or_none(path: str):
+    """``load_tokenizer``, or None (said once per path) when it cannot be loaded: the worker's
+    requests then get text digests instead of failing."""
+    try:
+        return load_tokenizer(path)
+    except Exception:
+        logger.warning(
+            "cannot load the tokenizer at %s: routing on text digests", path, exc_info=True
+        )
+        return None
 
 
 def _message_text(content) -> str:
@@ -105,8 +132,9 @@ class RequestShape:
 def shape_request(
     body: dict, chat: bool, tokenizer_path: str | None, block_size: int | None
 ) -> RequestShape:
-    if tokenizer_path and block_size:
-        ids = prompt_token_ids(body, chat, load_tokenizer(tokenizer_path))
+    tokenizer = _tokenizer_or_none(tokenizer_path) if tokenizer_path and block_size else None
+    if tokenizer is not None:
+        ids = prompt_token_ids(body, chat, tokenizer)
         if ids is not None:
             return RequestShape(chain_digests(ids, block_size), len(ids), block_size)
     text = routing_text(body, chat)
