@@ -14,14 +14,17 @@ from pathlib import Path
 
 import httpx
 
-from bench import datasets, engine_metrics
+from bench import datasets, engine_metrics, trace
+from bench.oracle import sample_oracle
 from bench.report import format_report, write_json
 from bench.runner import RunOptions, RunResult, send_conversations, send_samples
 from bench.stats import summarize
 
 logger = logging.getLogger("bench")
 
-DATASETS = ("prefix_repetition", "random", "multi_turn")
+DATASETS = ("prefix_repetition", "random", "multi_turn")  # synthetic (the dashboard offers these)
+TRACE_DATASETS = ("mooncake_trace",)  # replayed from --trace-path (bench/trace.py)
+DEFAULT_NUM_PROMPTS = 100
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,8 +45,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--vocab-size", type=int, default=None, help="id range when no tokenizer is known"
     )
-    parser.add_argument("--dataset-name", default="prefix_repetition", choices=DATASETS)
-    parser.add_argument("--num-prompts", type=int, default=100)
+    parser.add_argument(
+        "--dataset-name", default="prefix_repetition", choices=DATASETS + TRACE_DATASETS
+    )
+    parser.add_argument(
+        "--num-prompts",
+        type=int,
+        default=None,
+        help=f"requests (default {DEFAULT_NUM_PROMPTS}); mooncake_trace: the first N records of "
+        "the trace, in its order (default: the whole trace)",
+    )
     parser.add_argument("--max-concurrency", type=int, default=None)
     parser.add_argument(
         "--request-rate",
@@ -75,6 +86,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--json", dest="json_path", default=None, metavar="PATH", help="write all numbers here"
     )
     parser.add_argument("--disable-tqdm", action="store_true")
+    parser.add_argument(
+        "--oracle-block-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="block size of the oracle hit rate printed beside the measured one (one unbounded "
+        "prefix cache over the token-id prompts, in send order); default: the target's "
+        "/server_info block_size, else 16",
+    )
     group = parser.add_argument_group("prefix_repetition")
     group.add_argument("--prefix-repetition-prefix-len", type=int, default=256)
     group.add_argument("--prefix-repetition-suffix-len", type=int, default=256)
@@ -89,6 +109,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--multi-turn-system-len", type=int, default=400)
     group.add_argument("--multi-turn-user-len", type=int, default=60)
     group.add_argument("--multi-turn-output-len", type=int, default=32)
+    trace.add_arguments(parser)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -154,20 +175,14 @@ def build_workload(args, info: dict, tokenizer):
             seed=args.seed,
             tokenizer=tokenizer,
         )
-    vocab = (
-        args.vocab_size
-        or info.get("vocab_size")
-        or (len(tokenizer) if tokenizer is not None else None)
-    )
-    if vocab is None and tokenizer is None:
-        raise SystemExit(
-            "bench: no tokenizer and no vocab size; pass --tokenizer PATH or --vocab-size N"
-        )
-    allowed = datasets.allowed_token_ids(vocab, tokenizer)
+    if args.dataset_name in TRACE_DATASETS:
+        return build_trace(args, info, tokenizer).samples
+    allowed = _allowed(args, info, tokenizer)
     as_text = args.prompt_format == "text"
+    num_prompts = DEFAULT_NUM_PROMPTS if args.num_prompts is None else args.num_prompts
     if args.dataset_name == "random":
         return datasets.random_prompts(
-            num_prompts=args.num_prompts,
+            num_prompts=num_prompts,
             input_len=args.random_input_len,
             output_len=args.random_output_len,
             seed=args.seed,
@@ -176,7 +191,7 @@ def build_workload(args, info: dict, tokenizer):
             as_text=as_text,
         )
     return datasets.prefix_repetition(
-        num_prompts=args.num_prompts,
+        num_prompts=num_prompts,
         prefix_len=args.prefix_repetition_prefix_len,
         suffix_len=args.prefix_repetition_suffix_len,
         num_prefixes=args.prefix_repetition_num_prefixes,
@@ -186,6 +201,45 @@ def build_workload(args, info: dict, tokenizer):
         tokenizer=tokenizer,
         as_text=as_text,
     )
+
+
+def _allowed(args, info: dict, tokenizer) -> list[int]:
+    vocab = (
+        args.vocab_size
+        or info.get("vocab_size")
+        or (len(tokenizer) if tokenizer is not None else None)
+    )
+    if vocab is None and tokenizer is None:
+        raise SystemExit(
+            "bench: no tokenizer and no vocab size; pass --tokenizer PATH or --vocab-size N"
+        )
+    return datasets.allowed_token_ids(vocab, tokenizer)
+
+
+def build_trace(args, info: dict, tokenizer) -> trace.TraceWorkload:
+    """The trace's first ``--num-prompts`` records as token-id samples; the target's
+    max_model_len (when /server_info has it) bounds prompt + output."""
+    if args.prompt_format != "ids":
+        raise SystemExit("bench: mooncake_trace sends token-id prompts only (--prompt-format ids)")
+    try:
+        return trace.build_from_args(
+            args, _allowed(args, info, tokenizer), info.get("max_model_len")
+        )
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"bench: {exc}")
+
+
+def _check(args) -> None:
+    if args.speedup is None:
+        return
+    if args.dataset_name not in TRACE_DATASETS:
+        raise SystemExit(
+            "bench: --speedup replays a trace's timestamps (--dataset-name mooncake_trace)"
+        )
+    if args.request_rate != float("inf"):
+        raise SystemExit("bench: --speedup sends on the trace's own times; drop --request-rate")
+    if args.speedup <= 0:
+        raise SystemExit("bench: --speedup must be positive")
 
 
 async def measure(
@@ -207,9 +261,11 @@ def run(args) -> dict:
     """Benchmark as ``args`` say; print the table, write ``--json``; return the report."""
     # like vLLM's bench: the key comes from the environment
     api_key = os.environ.get("OPENAI_API_KEY") or None
+    _check(args)
     info = discover(args.base_url, api_key)
     tokenizer = load_tokenizer(args, info)
-    workload = build_workload(args, info, tokenizer)
+    replay = build_trace(args, info, tokenizer) if args.dataset_name in TRACE_DATASETS else None
+    workload = replay.samples if replay else build_workload(args, info, tokenizer)
     opts = RunOptions(
         base_url=args.base_url,
         model=model_name(args, info),
@@ -221,11 +277,16 @@ def run(args) -> dict:
         timeout_s=args.request_timeout,
         progress=not args.disable_tqdm,
         api_key=api_key,
+        speedup=args.speedup,
     )
     result, engine = asyncio.run(measure(opts, workload, args.engine_metrics_url))
+    block = args.oracle_block_size or info.get("block_size") or 16
+    is_samples = not (workload and isinstance(workload[0], datasets.Conversation))
     report = {
         "config": {**_config(args), "model": opts.model, "dp_size": info.get("dp_size")},
         "summary": summarize(result.results, result.duration_s, info.get("dp_size")),
+        "oracle": sample_oracle(result.results, workload, block) if is_samples else None,
+        "trace": _trace_info(replay, opts.speedup) if replay else None,
         "engine_metrics": engine,
         "requests": [_request_row(r) for r in result.results],
     }
@@ -233,6 +294,18 @@ def run(args) -> dict:
     if args.json_path:
         write_json(report, args.json_path)
     return report
+
+
+def _trace_info(replay: trace.TraceWorkload, speedup: float | None) -> dict:
+    return {
+        "records": replay.window,
+        "sent": len(replay.samples),
+        "skipped": replay.skipped,
+        "clipped": replay.clipped,
+        "block_tokens": replay.block_tokens,
+        "max_input_len": replay.limit,
+        "speedup": speedup,
+    }
 
 
 def _config(args) -> dict:

@@ -6,6 +6,8 @@
   length (no shared prefix), used to compare raw serving speed.
 * ``multi_turn`` -- chat conversations sharing one system prompt; the runner sends turn k+1 of a
   conversation only after turn k returned, with the assistant's real replies in the history.
+* ``mooncake_trace`` -- a production trace replayed (bench/trace.py): prompts built from the
+  trace's prefix block ids, sent in trace order or on its timestamps.
 
 Random token ids avoid special tokens: a special token in the middle of a prompt changes what the
 model sees (and a text round trip would drop or re-split it).
@@ -16,6 +18,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+import numpy as np
+
 # Below this id the built-in tiny tokenizer keeps its special tokens; used when no tokenizer is
 # known.
 FIRST_PLAIN_ID = 8
@@ -23,12 +27,14 @@ FIRST_PLAIN_ID = 8
 
 @dataclass
 class SampleRequest:
-    """One independent request: ``prompt`` is a list of token ids or a text."""
+    """One independent request: ``prompt`` is token ids (a list, or an int32 array for traces) or
+    a text."""
 
-    prompt: list[int] | str
+    prompt: list[int] | str | np.ndarray
     prompt_len: int
     output_len: int
-    group: int = -1  # the prefix it shares (prefix_repetition), -1 for none
+    group: int = -1  # the prefix it shares (prefix_repetition), its trace record, -1 for none
+    timestamp_ms: float | None = None  # arrival time in a trace
 
 
 @dataclass

@@ -47,3 +47,22 @@ def chat_prompts(results, conversations, tokenizer) -> list[list[int]]:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         prompts.append(tokenizer.encode(text, add_special_tokens=False))
     return prompts
+
+
+def sample_oracle(results, samples, block_size: int = 16) -> dict | None:
+    """The oracle beside a run of token-id samples: its cached tokens over the prompts of the
+    requests that succeeded, in send order (``results`` sorted by start, ``meta["index"]`` into
+    ``samples``), and the hit rate that makes. None for text prompts (their ids are the
+    server's)."""
+    sent = [samples[r.meta["index"]].prompt for r in results if r.ok and "index" in r.meta]
+    if any(isinstance(p, str) for p in sent):
+        return None
+    cached = sum(oracle_cached(sent, block_size))
+    prompt_tokens = sum(len(p) for p in sent)
+    return {
+        "block_size": block_size,
+        "requests": len(sent),
+        "prompt_tokens": prompt_tokens,
+        "cached_tokens": cached,
+        "hit_rate": cached / prompt_tokens if prompt_tokens else None,
+    }

@@ -49,6 +49,35 @@ def _ranks(title: str, block: dict) -> list[str]:
     return lines
 
 
+def _oracle(oracle: dict | None, cached: int | None) -> list[str]:
+    """The unbounded-cache oracle beside the measured hits (bench/oracle.py)."""
+    if not oracle:
+        return []
+    rate = oracle["hit_rate"]
+    return [
+        _row(f"Oracle cached tokens (block {oracle['block_size']})", oracle["cached_tokens"]),
+        _row("Oracle hit rate (one unbounded cache)", f"{rate:.2%}" if rate is not None else None),
+        _row(
+            "Cached / oracle",
+            cached / oracle["cached_tokens"]
+            if cached is not None and oracle["cached_tokens"]
+            else None,
+        ),
+    ]
+
+
+def _trace(info: dict | None) -> list[str]:
+    if not info:
+        return []
+    return [
+        _title("Trace replay", "-"),
+        _row("Trace records (window)", info["records"]),
+        _row("Sent / skipped / clipped", f"{info['sent']} / {info['skipped']} / {info['clipped']}"),
+        _row("Tokens per hash id", info["block_tokens"]),
+        _row("Speedup (open loop)", info["speedup"] if info["speedup"] else "off (trace order)"),
+    ]
+
+
 def format_report(report: dict) -> str:
     """The human-readable result of one run."""
     s = report["summary"]
@@ -70,9 +99,11 @@ def format_report(report: dict) -> str:
         *_latency("TPOT (excl. 1st token)", "tpot_ms", s),
         *_latency("ITL", "itl_ms", s),
         *_latency("E2EL", "e2el_ms", s),
+        *_trace(report.get("trace")),
         _title("Prefix cache", "-"),
         _row("Cached prompt tokens", s["cached_tokens"]),
         _row("Hit rate (cached / prompt tokens)", f"{hit:.2%}" if hit is not None else None),
+        *_oracle(report.get("oracle"), s["cached_tokens"]),
         *_ranks("Per rank (X-Data-Parallel-Rank)", s["per_rank"]),
     ]
     engine = report.get("engine_metrics")

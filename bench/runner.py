@@ -1,4 +1,5 @@
-"""Sends a workload: arrivals (all at once or Poisson), a concurrency cap, a progress bar.
+"""Sends a workload: arrivals (all at once, Poisson, or a trace's own times scaled by
+``speedup``), a concurrency cap, a progress bar.
 
 ``--max-concurrency`` caps requests in flight. For multi-turn chat the arrivals are conversation
 starts; each conversation then sends its turns one after another, every turn taking a slot.
@@ -18,6 +19,7 @@ from tqdm import tqdm
 
 from bench.client import RequestResult, chat_body, completion_body, send
 from bench.datasets import Conversation, SampleRequest
+from bench.trace import send_offsets
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -38,6 +40,7 @@ class RunOptions:
     progress: bool = True
     transport: httpx.AsyncBaseTransport | None = None  # tests pass an httpx.MockTransport
     api_key: str | None = None  # sent as Authorization: Bearer (servers started with API keys)
+    speedup: float | None = None  # samples with timestamp_ms: sent at timestamp / speedup
 
     @property
     def body_options(self) -> dict:
@@ -114,11 +117,29 @@ async def _arrivals(ctx: _Context, n: int):
         yield i
 
 
+async def _on_schedule(offsets: list[float]):
+    """Yield 0..n-1, each at its offset (seconds) after the first call: an open loop."""
+    started = time.perf_counter()
+    for i, offset in enumerate(offsets):
+        wait = started + offset - time.perf_counter()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        yield i
+
+
 async def _samples(ctx: _Context, samples: list[SampleRequest]) -> None:
     tasks = []
-    async for i in _arrivals(ctx, len(samples)):
+    if ctx.opts.speedup:
+        stamps = [s.timestamp_ms for s in samples]
+        if None in stamps:
+            raise ValueError("speedup replays trace timestamps; these samples have none")
+        arrivals = _on_schedule(send_offsets(stamps, ctx.opts.speedup))
+    else:
+        arrivals = _arrivals(ctx, len(samples))
+    async for i in arrivals:
         s = samples[i]
-        body = completion_body(ctx.opts.model, s.prompt, s.output_len, ctx.opts.body_options)
+        prompt = s.prompt.tolist() if hasattr(s.prompt, "tolist") else s.prompt  # numpy: JSON
+        body = completion_body(ctx.opts.model, prompt, s.output_len, ctx.opts.body_options)
         tasks.append(
             asyncio.create_task(
                 ctx.send(COMPLETIONS, body, s.prompt_len, {"index": i, "group": s.group})
