@@ -43,7 +43,7 @@ def load_tokenizer(path: str):
 
 
 @functools.lru_cache(maxsize=16)
-def _tokenizer_or_none(path: str):
+def tokenizer_or_none(path: str):
     """``load_tokenizer``, or None (said once per path) when it cannot be loaded: the worker's
     requests then get text digests instead of failing."""
     try:
@@ -132,7 +132,7 @@ class RequestShape:
 def shape_request(
     body: dict, chat: bool, tokenizer_path: str | None, block_size: int | None
 ) -> RequestShape:
-    tokenizer = _tokenizer_or_none(tokenizer_path) if tokenizer_path and block_size else None
+    tokenizer = tokenizer_or_none(tokenizer_path) if tokenizer_path and block_size else None
     if tokenizer is not None:
         ids = prompt_token_ids(body, chat, tokenizer)
         if ids is not None:

@@ -11,6 +11,7 @@ fleet and index.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from apps.routing.dispatch import Dispatch, DispatchObserver
 from apps.routing.fleet import Fleet, Target, view_of
 from apps.routing.index import PrefixIndex
 from apps.routing.policies import POLICIES, Policy, make_policy
-from apps.routing.request_shape import RequestShape, shape_request
+from apps.routing.request_shape import RequestShape, shape_request, tokenizer_or_none
 from apps.routing.stats import RouterStats
 
 logger = logging.getLogger(__name__)
@@ -240,6 +241,8 @@ class Router:
             logger.info("worker %s restarted: forgetting what its ranks had cached", worker.url)
         for target in targets:
             self.index.set_capacity(target.key, target.worker.capacity_blocks)
+        if view.tokenizer_path or self.config.tokenizer_path:
+            warm_tokenizer(self.config.tokenizer_path or view.tokenizer_path)
 
     def worker_cache_lost(self, worker_id: int) -> None:
         """The worker's engine may have restarted unseen: forget what its ranks held."""
@@ -273,6 +276,17 @@ class Router:
             for t in self.fleet.targets.get(worker_id, [])
         ]
         return {"health": "healthy" if view.healthy else "unhealthy", "targets": targets}
+
+
+def warm_tokenizer(path: str) -> None:
+    """Load a worker's tokenizer at discovery, off the event loop when there is one, so that its
+    first request does not pay for it (it is cached: apps/routing/request_shape.py)."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        tokenizer_or_none(path)
+        return
+    loop.run_in_executor(None, tokenizer_or_none, path)
 
 
 def router_of(request_or_scope) -> Router:

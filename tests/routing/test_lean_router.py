@@ -45,3 +45,22 @@ def test_a_tokenizer_that_cannot_be_loaded_falls_back_to_text_digests(tmp_path):
     shape = shape_request(body, False, str(tmp_path), 16)
     assert shape.digests == text_digests(body["prompt"])
     assert shape.block_tokens == CHUNK_CHARS // 4
+
+
+def test_a_workers_tokenizer_is_loaded_when_it_is_discovered_not_at_its_first_request():
+    from apps.replicas.models import Worker
+    from apps.routing.request_shape import load_tokenizer, tokenizer_or_none
+    from apps.routing.router import Router, RouterConfig
+    from engine.digests import SCHEME
+
+    path = str(ensure_tiny_model())
+    tokenizer_or_none.cache_clear()
+    load_tokenizer.cache_clear()
+    info = {"dp_size": 2, "model_id": "tiny", "model_path": path, "block_size": 16,
+            "prefix_digest": SCHEME, "num_kv_blocks_per_rank": 64}  # fmt: skip
+    worker = Worker(id=1, url="http://127.0.0.1:9", dp_size=2, model_id="tiny", server_info=info)
+    Router(RouterConfig(dp_aware=True)).worker_saved(worker, {})
+    assert tokenizer_or_none.cache_info().currsize == 1  # loaded with the worker
+    before = load_tokenizer.cache_info().misses
+    shape_request({"prompt": "hello " * 40}, False, path, 16)
+    assert load_tokenizer.cache_info().misses == before  # the request found it loaded
