@@ -28,6 +28,8 @@ def cache_aware(seed=0, **params) -> CacheAware:
         "balance_weight": 256.0,
         "slack": 0.0,
         "new_session_slack": 0.0,
+        "rework_floor": 0.0,  # the rework term is off unless a test is about it
+        "rework_cap": 0.0,
         **params,
     }
     return CacheAware(rng=random.Random(seed), **values)
@@ -113,6 +115,44 @@ def test_private_history_is_stickier_than_a_shared_prefix(queued_prefill, expect
     ]
     assert policy.choose([home, away], s, {home.key: 4}) is (home if expected == "home" else away)
     assert policy.choose([away, home], s, {home.key: 4}) is (home if expected == "home" else away)
+
+
+@pytest.mark.parametrize(
+    ("queued_prefill", "expected"), [(191, "home"), (192, "tie"), (193, "away")]
+)
+def test_recomputing_a_shared_prefix_under_load_costs_the_fleet_too(queued_prefill, expected):
+    """The hot shared prefix above on a busy fleet, with rework at its floor of 2: moving away
+    recomputes 64 cached tokens and charges them twice more (the requests queued behind that
+    work wait for it), so break-even moves from a 64-token queue at home to 64 x 3 = 192."""
+    policy = cache_aware(rework_floor=2.0, rework_cap=8.0)
+    home, away = targets(2)
+    home.load.begin(200, queued_prefill)
+    away.load.begin(200, 0)
+    s = shape(6500, blocks=4)  # a long prompt: the queues are shallow next to it (depth < 2)
+    matched = {home.key: 4}
+    home_cost, away_cost = policy.costs([home, away], s, matched, shared_blocks=4)
+    assert away_cost - home_cost == 64 + 2 * 64 + 0 - queued_prefill
+    picks = {
+        policy.choose(order, s, matched, shared_blocks=4).key
+        for order in ([home, away], [away, home])
+        for _ in range(20)
+    }
+    assert picks == {"tie": {home.key, away.key}, "home": {home.key}, "away": {away.key}}[expected]
+
+
+def test_rework_follows_the_queue_depth_up_to_its_cap_and_is_off_when_idle():
+    policy = cache_aware(rework_floor=2.0, rework_cap=8.0)
+    home, away = targets(2)
+    s, matched = shape(65, blocks=4), {home.key: 4}
+    # idle fleet: no one waits for extra work, the cost is this request's alone
+    assert policy.costs([home, away], s, matched, shared_blocks=4) == [1, 65]
+    for queued, rework in ((0, 2.0), (65, 2.0), (260, 4.0), (10_000, 8.0)):
+        h, a = targets(2)
+        h.load.begin(100, queued)  # one request in flight each: the fleet is busy
+        a.load.begin(100, queued)
+        # depth = mean queued / 65 prompt tokens, between the floor and the cap
+        home_cost, away_cost = policy.costs([h, a], s, {h.key: 4}, shared_blocks=4)
+        assert away_cost - home_cost == pytest.approx(64 + rework * 64), queued
 
 
 def test_a_replicated_prefix_is_weighed_on_both_copies():
