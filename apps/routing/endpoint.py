@@ -8,21 +8,27 @@ these two endpoints do not need: they have no session, no CSRF, no templates. So
 This app takes the request in (access control, method, body) and hands it to
 ``upstream.proxy_request``, which routes, sends and relays it. Access control is checked from the
 scope's headers before the body is read: when API keys are configured (apps/replicas/auth.py) a
-request without one of them is answered 401.
+request without one of them is answered 401. Then the admission control (apps/routing/admission.py)
+lets it through, or holds it in its queue (``X-Priority``: lower first), or answers why not (429,
+or 503 while the process drains); the slot it was given is released however the request ends.
 """
 
 from __future__ import annotations
 
 import json
+import re
 
 from apps.replicas.auth import INVALID_API_KEY_BODY, api_key_allowed, scope_authorization
+from apps.routing.admission import Admission, Rejected
 from apps.routing.router import Router
+from apps.routing.sessions import session_of
 from apps.routing.upstream import ProxyError, proxy_request
 from engine.server.asgi import BodyTooLarge, ClientGone, read_body, send_body, until_disconnect
 from engine.server.openai_api import APIError, rank_hint
 
 PATHS = {"/v1/completions": False, "/v1/chat/completions": True}  # path -> chat?
 MAX_BODY_BYTES = 16 * 2**20
+PRIORITY = re.compile(r"[+-]?[0-9]{1,18}")
 
 
 class OpenAIEndpoint:
@@ -30,6 +36,7 @@ class OpenAIEndpoint:
 
     def __init__(self, router: Router):
         self.router = router
+        self.admission = Admission.for_router(router)
 
     async def __call__(self, scope, receive, send) -> None:
         path, stats = scope["path"], self.router.stats
@@ -57,11 +64,46 @@ class OpenAIEndpoint:
             return
         try:
             pin = client_rank(self.router, body, scope)
+            priority = request_priority(scope)
         except ProxyError as exc:
             await send_body(send, exc.status, exc.body())
             return
-        work = proxy_request(self.router, body, chat=PATHS[path], path=path, send=send, rank=pin)
-        await until_disconnect(work, receive)
+        # the wait for admission runs under until_disconnect too: a client that leaves the queue
+        # cancels it
+        session = session_of(body, scope.get("headers"))
+        await until_disconnect(self._serve(body, path, send, pin, priority, session), receive)
+
+    async def _serve(
+        self, body: dict, path: str, send, rank: int | None, priority: int, session: str | None
+    ) -> None:
+        """Admit the request (or answer why not), then proxy it, retries included; the slot is
+        released however that ends."""
+        try:
+            slot = await self.admission.acquire(priority)
+        except Rejected as exc:
+            await send_body(send, exc.status, exc.body(), headers=exc.headers())
+            return
+        try:
+            chat = PATHS[path]
+            await proxy_request(
+                self.router, body, chat=chat, path=path, send=send, rank=rank, session=session
+            )
+        finally:
+            slot.release()
+
+
+def request_priority(scope) -> int:
+    """The client's ``X-Priority`` header: an integer, the lower served first when requests
+    wait for admission (vLLM's ``priority`` order); 0 without one. Anything else is a 400."""
+    for name, value in scope.get("headers") or ():
+        if name.lower() == b"x-priority":
+            text = value.decode("latin-1").strip()
+            if not PRIORITY.fullmatch(text):
+                raise ProxyError(
+                    400, f"X-Priority must be an integer (lower is served first), not {text!r}"
+                )
+            return int(text)
+    return 0
 
 
 def client_rank(router: Router, body: dict, scope) -> int | None:

@@ -66,6 +66,10 @@ class Target:
     rank_id: int | None = None  # the Rank row, for persisted stats
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     load: RankLoad = field(default_factory=RankLoad)
+    # The fraction of the rank's KV cache in use as its engine last said (0..1); None: unknown
+    # (nothing feeds it yet: scraped engine metrics will). The admission control's saturation
+    # rule reads it (apps/routing/admission.py) and ignores a target whose usage is unknown.
+    kv_usage: float | None = None
     key: str = field(init=False)  # ``url@rank``; read many times per routed request
 
     def __post_init__(self):
@@ -90,6 +94,9 @@ class Fleet:
         # True while the process start-up is still restoring it from the database and adding
         # the given workers (apps/routing/process.py): /health answers 503 "starting" meanwhile
         self.loading = False
+        # True once the process drains before it stops (apps/routing/drain.py): /health answers
+        # 503 "draining", so load balancers stop sending here
+        self.draining = False
 
     def put(self, view: WorkerView, rank_ids: dict[int | None, int] | None = None) -> list[Target]:
         """Add or replace a worker. Targets that survive keep their load, breaker and position."""

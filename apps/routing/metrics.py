@@ -118,6 +118,7 @@ class RouterCollector:
             family.add_metric([], hist.cumulative(), sum_value=hist.sum)
             yield family
         yield _policy_info(self.router)
+        yield from self.router.sessions.metric_families(PREFIX)
         for observer in self.router.observers:  # the shared index, the KV-event feed
             yield from observer.metric_families()
         yield CounterMetricFamily(

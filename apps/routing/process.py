@@ -16,6 +16,8 @@ from django.conf import settings
 
 from apps.replicas.services import worker_add
 from apps.routing import jobs
+from apps.routing.admission import Admission
+from apps.routing.drain import Drain
 from apps.routing.fleet_sync import FleetSync
 from apps.routing.health import health_loop, probe_all
 from apps.routing.kv_events import KVEventsFeed
@@ -29,6 +31,7 @@ from controlplane import http
 logger = logging.getLogger("apps.router")
 
 DEFAULT_ROUTER_PORT = 30000
+STOP_WAIT_S = 2.0  # at shutdown, for the background loops and the cut requests to end
 
 
 def add_router_arguments(
@@ -92,6 +95,14 @@ def add_router_arguments(
     parser.add_argument("--max-retries", type=int, default=None)
     parser.add_argument("--prefix-ttl-secs", type=float, default=None)
     parser.add_argument(
+        "--session-ttl-secs",
+        type=float,
+        default=None,
+        help="how long a client session (X-Session-ID header or the OpenAI user field) keeps "
+        "its rank after its last request (default 600)",
+    )
+    add_admission_arguments(parser)
+    parser.add_argument(
         "--api-key",
         action="append",
         default=None,
@@ -109,6 +120,49 @@ def add_router_arguments(
     )
 
 
+def add_admission_arguments(parser: argparse.ArgumentParser) -> None:
+    """Admission control and drain (apps/routing/admission.py, drain.py); the defaults are the
+    settings' (CONTROL_PLANE_MAX_CONCURRENT_REQUESTS ...)."""
+    parser.add_argument(
+        "--max-concurrent-requests",
+        type=int,
+        default=None,
+        help="requests this router process lets through at once; more wait (0: no limit)",
+    )
+    parser.add_argument(
+        "--queue-size",
+        type=int,
+        default=None,
+        help="requests that may wait for admission; more get 429 (default 100)",
+    )
+    parser.add_argument(
+        "--queue-timeout-secs",
+        type=float,
+        default=None,
+        help="how long a request may wait for admission before a 429 (default 60)",
+    )
+    parser.add_argument(
+        "--saturation-queued-prefill-tokens",
+        type=int,
+        default=None,
+        help="new requests wait while every target has this many prefill tokens queued (0: off)",
+    )
+    parser.add_argument(
+        "--saturation-kv-usage",
+        type=float,
+        default=None,
+        help="new requests wait while every target whose KV usage is known uses this fraction "
+        "of its KV cache (0: off)",
+    )
+    parser.add_argument(
+        "--drain-timeout-secs",
+        type=float,
+        default=None,
+        help="on SIGTERM/SIGINT, how long in-flight requests may finish before the router stops "
+        "(default 25)",
+    )
+
+
 class RouterProcess:
     """One router process: its router and everything that runs beside the requests.
 
@@ -121,6 +175,9 @@ class RouterProcess:
     persistence, the database sync, the engines' KV events, the shared index (with
     ``REDIS_URL``), and without a broker the periodic jobs. Until it is done, the fleet says
     is ``loading`` and /health answers 503 ``starting``.
+
+    It also holds the process's admission control (the one the OpenAI endpoint admits through)
+    and its ``drain``, which ``serve_router`` hands the signals.
     """
 
     def __init__(
@@ -134,6 +191,8 @@ class RouterProcess:
         self.overrides = overrides or None  # for each of worker_urls
         router.fleet.loading = True  # from before the socket listens until start() is done
         self.fleet_sync = FleetSync(router)
+        self.admission = Admission.for_router(router)
+        self.drain = Drain(router, self.admission, router.config.drain_timeout_s)
         self.index_sync: IndexSync | None = None
         # the loop keeps only weak references to tasks: the process holds them for its life
         self.tasks: list[asyncio.Task] = []
@@ -180,15 +239,24 @@ class RouterProcess:
         return self.tasks
 
     async def stop(self) -> None:
-        """On shutdown: tell the other router processes (if any) to stop counting this one's
-        load, and close this loop's outbound connections."""
+        """On shutdown: end the background loops, let the requests the server has just cancelled
+        (a drain cut short) unwind, tell the other router processes (if any) to stop counting
+        this one's load, and close this loop's outbound connections."""
+        for task in self.tasks:
+            task.cancel()
+        if self.tasks:
+            await asyncio.wait(self.tasks, timeout=STOP_WAIT_S)
+        deadline = asyncio.get_running_loop().time() + STOP_WAIT_S
+        while self.admission.in_flight and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.02)
         if self.index_sync is not None:
             await self.index_sync.goodbye()
         await http.client.aclose()
 
 
 def serve_router(opts: dict, on_ready=None) -> None:
-    """Run a router process (blocking) until SIGINT/SIGTERM."""
+    """Run a router process (blocking) until SIGINT/SIGTERM, then drain it (apps/routing/drain.py)
+    and return."""
     for flag, name in (("api_key", "API_KEYS"), ("admin_key", "ADMIN_KEYS")):
         # a new dict: the settings' default stays untouched for whoever copied it
         if opts.get(flag):
@@ -197,6 +265,7 @@ def serve_router(opts: dict, on_ready=None) -> None:
     from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler
     from twisted.internet import reactor
     from twisted.internet.defer import Deferred
+    from twisted.internet.error import ReactorNotRunning
 
     from controlplane.asgi import build_application
 
@@ -218,10 +287,19 @@ def serve_router(opts: dict, on_ready=None) -> None:
     )
     if on_ready:
         loop.call_soon(on_ready)
+
+    def stop_reactor() -> None:
+        try:
+            reactor.stop()
+        except ReactorNotRunning:  # stopping already
+            pass
+
+    # Twisted's own handlers would stop the reactor at the first signal, cutting every stream
+    process.drain.install(loop, stop_reactor)
     Server(
         application=app,
         endpoints=[f"tcp:port={port}:interface={host}"],
-        signal_handlers=True,
+        signal_handlers=False,
         verbosity=0,
         application_close_timeout=5,
     ).run()

@@ -25,6 +25,7 @@ from apps.routing.fleet import Fleet, Target, view_of
 from apps.routing.index import PrefixIndex
 from apps.routing.policies import POLICIES, Policy, make_policy
 from apps.routing.request_shape import RequestShape, shape_request, tokenizer_or_none
+from apps.routing.sessions import SessionTable
 from apps.routing.stats import RouterStats
 
 logger = logging.getLogger(__name__)
@@ -44,6 +45,7 @@ class RouterConfig:
     balance_rel_threshold: float = 1.5
     decode_weight: float = 16.0
     prefix_ttl_s: float = 600.0
+    session_ttl_s: float = 600.0
     request_timeout_s: float = 600.0
     connect_timeout_s: float = 5.0
     max_retries: int = 3
@@ -52,6 +54,13 @@ class RouterConfig:
     health_failure_threshold: int = 3
     health_success_threshold: int = 2
     stats_persist_interval_s: float = 5.0
+    # admission control (apps/routing/admission.py); 0: no limit, rule off
+    max_concurrent_requests: int = 0
+    queue_size: int = 100
+    queue_timeout_s: float = 60.0
+    saturation_queued_prefill_tokens: int = 0
+    saturation_kv_usage: float = 0.0
+    drain_timeout_s: float = 25.0  # on SIGTERM/SIGINT (apps/routing/drain.py)
 
     @classmethod
     def from_settings(cls, **overrides) -> RouterConfig:
@@ -64,6 +73,12 @@ class RouterConfig:
             balance_rel_threshold=cp.get("BALANCE_REL_THRESHOLD", 1.5),
             health_check_interval_s=cp.get("HEALTH_CHECK_INTERVAL_S", 10.0),
             request_timeout_s=cp.get("REQUEST_TIMEOUT_S", 600.0),
+            max_concurrent_requests=cp.get("MAX_CONCURRENT_REQUESTS", 0),
+            queue_size=cp.get("QUEUE_SIZE", 100),
+            queue_timeout_s=cp.get("QUEUE_TIMEOUT_S", 60.0),
+            saturation_queued_prefill_tokens=cp.get("SATURATION_QUEUED_PREFILL_TOKENS", 0),
+            saturation_kv_usage=cp.get("SATURATION_KV_USAGE", 0.0),
+            drain_timeout_s=cp.get("DRAIN_TIMEOUT_S", 25.0),
         )
         for key, value in overrides.items():
             if value is not None:
@@ -98,6 +113,13 @@ OPTION_FIELDS = {
     "request_timeout_secs": "request_timeout_s",
     "max_retries": "max_retries",
     "prefix_ttl_secs": "prefix_ttl_s",
+    "session_ttl_secs": "session_ttl_s",
+    "max_concurrent_requests": "max_concurrent_requests",
+    "queue_size": "queue_size",
+    "queue_timeout_secs": "queue_timeout_s",
+    "saturation_queued_prefill_tokens": "saturation_queued_prefill_tokens",
+    "saturation_kv_usage": "saturation_kv_usage",
+    "drain_timeout_secs": "drain_timeout_s",
 }
 
 
@@ -107,6 +129,7 @@ class Router:
         self.rng = rng or random.Random()
         self.fleet = Fleet()
         self.index = PrefixIndex(ttl_s=self.config.prefix_ttl_s)
+        self.sessions = SessionTable(ttl_s=self.config.session_ttl_s)
         self.stats = RouterStats()
         self.policy: Policy = self._make_policy(self.config.policy)
         # told of every decision and prefill end (apps/routing/shared_index.py, kv_events.py)
@@ -135,10 +158,12 @@ class Router:
         model: str | None,
         exclude: set[str] = frozenset(),
         rank: int | None = None,
+        session: str | None = None,
     ) -> Dispatch:
         """Choose a target and commit: begin its load, insert the request's blocks into the index
         for it (the engine caches them as it prefills), tell the observers. The returned dispatch
-        owns the request's end. ``rank``: only that DP rank of a worker (the client's pin)."""
+        owns the request's end. ``rank``: only that DP rank of a worker (the client's pin);
+        ``session``: the client's session id (apps/routing/sessions.py), kept on its rank."""
 
         def allowed(t: Target) -> bool:
             return t.key not in exclude and (rank is None or t.rank == rank)
@@ -153,7 +178,10 @@ class Router:
             )
         shapes, matched, shared = self._match(body, chat, candidates)
         primary = shapes[candidates[0].key]
-        target = self.policy.choose(candidates, primary, matched, shared)
+        home = self.sessions.home(session, candidates) if session else None
+        target = home or self.policy.choose(candidates, primary, matched, shared)
+        if session:
+            self.sessions.record(session, target.key, kept=home is not None)
         shape = shapes[target.key]
         predicted = (
             min(

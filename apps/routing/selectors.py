@@ -21,6 +21,7 @@ from django.conf import settings
 from django.utils import timezone
 
 from apps.replicas.models import RankSample, Worker, target_key
+from apps.routing.admission import Admission
 
 
 def _rate(num, den):
@@ -178,6 +179,8 @@ def build_snapshot(router) -> dict:
     chart = series(rank_keys, cp["DASHBOARD_WINDOW_S"])
     rps = [v for v in chart["requests_per_s"] if v is not None]
     fleet["requests_per_s"] = rps[-1] if rps else None
+    # this process's admission queue: waiting, admitted, refused (429 / 503), saturated, draining
+    fleet.update(Admission.for_router(router).snapshot())
     policy = RoutingSettings.objects.filter(id=1).first()
     return {
         "type": "snapshot",

@@ -26,6 +26,8 @@ async def health(request):
     available = [t.key for t in router.fleet.candidates(None)]
     if router.fleet.loading:  # not yet the fleet and policy it will serve with
         return JsonResponse({"status": "starting", "targets": available}, status=503)
+    if router.fleet.draining:  # shutting down: load balancers should send elsewhere
+        return JsonResponse({"status": "draining", "targets": available}, status=503)
     status = 200 if available else 503
     return JsonResponse(
         {"status": "ok" if available else "unavailable", "targets": available}, status=status

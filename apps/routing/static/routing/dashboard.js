@@ -98,14 +98,25 @@
 
   function renderFleet(snap) {
     const f = snap.fleet || {};
+    // the admission queue says why it holds requests back
+    const queueState = f.draining ? " (draining)" : f.saturated ? " (fleet saturated)" : "";
     const fmt = {
       requests: fmtInt, prompt_tokens: fmtInt, inflight_requests: fmtInt,
       engine_hit_rate: fmtPct, router_hit_rate: fmtPct,
       requests_per_s: (v) => fmtFixed(v, 2),
+      queue_depth: (v) => fmtInt(v) + queueState,
     };
     for (const node of document.querySelectorAll("#fleet [data-fleet]")) {
       const field = node.dataset.fleet;
       setText(node, (fmt[field] || fmtInt)(f[field]));
+    }
+    const queued = $('#fleet [data-fleet="queue_depth"]');
+    if (queued) queued.classList.toggle("warn", (isNum(f.queue_depth) && f.queue_depth > 0) || !!f.draining);
+    // why requests were refused: 429 queue_full, timeout; 503 draining
+    const rejected = $("#fleet-rejected");
+    if (rejected) {
+      const reasons = f.rejected_by_reason || {};
+      rejected.title = Object.keys(reasons).map((r) => `${r}: ${fmtInt(reasons[r])}`).join(", ");
     }
   }
 
