@@ -77,16 +77,24 @@ class Ending:
 
 
 async def proxy_request(
-    router: Router, body: dict, *, chat: bool, path: str, send, rank: int | None = None
+    router: Router,
+    body: dict,
+    *,
+    chat: bool,
+    path: str,
+    send,
+    rank: int | None = None,
+    session: str | None = None,
 ) -> None:
     """Serve one request through the router; cancelled when the client disconnects. ``rank``:
-    the client's own pin (endpoint.client_rank), else the router chooses."""
+    the client's own pin (endpoint.client_rank), else the router chooses; ``session``: the
+    client's session id (apps/routing/sessions.py)."""
     model = body.get("model") if isinstance(body.get("model"), str) else None
     tried: set[str] = set()
     last: ProxyError | None = None
     for attempt in range(router.config.max_retries + 1):
         try:
-            dispatch = router.route(body, chat, model, exclude=tried, rank=rank)
+            dispatch = router.route(body, chat, model, exclude=tried, rank=rank, session=session)
         except NoTarget as exc:
             error = last or ProxyError(503, str(exc), "server_error")
             await send_body(send, error.status, error.body())
