@@ -139,10 +139,7 @@ def allowed_hits(prompts: list[list[int]]) -> int:
     return total
 
 
-# Concurrency 8 is left out on purpose: there cache_aware replicates hot shared prefixes when the
-# in-flight counts of the two ranks differ for a moment (measured 0.78 of these hits; the closing
-# note of issue 10 and docs/benchmarks.md "Behind vLLM"): that trade-off is issue 11's to settle.
-@pytest.mark.parametrize("concurrency", [1])
+@pytest.mark.parametrize("concurrency", [1, 8])
 async def test_prefix_workload_gets_the_hits_vllms_block_rules_allow(router, client, concurrency):
     prompts = prefix_workload(seed=concurrency)
     warm, rest = prompts[:10], prompts[10:]
