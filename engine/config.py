@@ -10,7 +10,12 @@ class EngineConfig:
     """Sizes and limits of one engine (one DP rank).
 
     The KV pool is sized either by ``num_kv_blocks`` or by ``kv_cache_memory`` (bytes); when
-    neither is given, ``DEFAULT_KV_MEMORY`` bytes are used.
+    neither is given, ``DEFAULT_KV_MEMORY`` bytes are used (with ``simulate``: the profile's
+    capacity).
+
+    ``simulate`` names a profile of ``engine.sim.profiles``: the model's forward pass is replaced
+    by that profile's step-time model (``engine.sim``), everything else stays the real engine.
+    ``simulate_speedup`` divides the modeled step times (2.0 runs the simulation twice as fast).
     """
 
     model: str = "tiny"
@@ -26,6 +31,8 @@ class EngineConfig:
     stats_interval: int = 100  # log [Cache Stats] every this many finished requests
     enable_prefix_caching: bool = True
     seed: int = 0
+    simulate: str | None = None
+    simulate_speedup: float = 1.0
 
     DEFAULT_KV_MEMORY = 256 * 1024 * 1024
 
@@ -40,3 +47,5 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be > 0, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < self.block_size:
             raise ValueError("max_num_batched_tokens must be at least one block")
+        if not self.simulate_speedup > 0:
+            raise ValueError(f"simulate_speedup must be > 0, got {self.simulate_speedup}")

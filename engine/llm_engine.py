@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
-
-from transformers import AutoTokenizer, GenerationConfig
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence
@@ -41,8 +39,41 @@ class _Request:
     stop_ids: set[int] = field(default_factory=set)
 
 
+def load_model(config: EngineConfig, model_path: str):
+    """(tokenizer, runner, EOS ids) for ``config``: the model through transformers, or with
+    ``config.simulate`` the step-time model of ``engine.sim``, which imports neither torch nor
+    transformers (so both are imported here, not at module level)."""
+    if config.simulate:
+        from engine.sim.runner import load_simulated
+
+        return load_simulated(config, model_path)
+    from transformers import AutoTokenizer
+
+    from engine.model_runner import ModelRunner
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    return tokenizer, ModelRunner(config, model_path), _eos_ids(model_path, tokenizer)
+
+
+def _eos_ids(model_path: str, tokenizer) -> set[int]:
+    from transformers import GenerationConfig
+
+    ids = set()
+    try:
+        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    except OSError:
+        pass
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
 class LLMEngine:
-    """``step()`` is schedule → run → postprocess. Not thread-safe: one owner drives it."""
+    """``step()`` is schedule → run → postprocess. Not thread-safe: one owner drives it.
+
+    The runner is the model (``ModelRunner``) or, with ``config.simulate``, a step-time model
+    (``engine.sim.runner.SimulatedRunner``); everything else is the same code either way."""
 
     def __init__(self, config: EngineConfig, log_prefix: str = ""):
         self.config = config
@@ -50,28 +81,15 @@ class LLMEngine:
             logging.LoggerAdapter(logger, {}) if not log_prefix else _Prefixed(logger, log_prefix)
         )
         self.model_path = resolve_model_path(config.model)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        self.runner = ModelRunner(config, self.model_path)
-        model_len = getattr(self.runner.model.config, "max_position_embeddings", None) or 2048
+        self.tokenizer, self.runner, self.eos_token_ids = load_model(config, self.model_path)
+        model_len = self.runner.max_position_embeddings
         self.max_model_len = min(config.max_model_len or model_len, model_len)
         self.block_manager = BlockManager(
             self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching
         )
         self.scheduler = Scheduler(config, self.block_manager)
         self.cache_stats = CacheStats(self.log, config.stats_interval)
-        self.eos_token_ids = self._eos_ids()
         self.requests: dict[str, _Request] = {}
-
-    def _eos_ids(self) -> set[int]:
-        ids = set()
-        try:
-            eos = GenerationConfig.from_pretrained(self.model_path).eos_token_id
-            ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        except OSError:
-            pass
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        return ids
 
     # ----- requests ------------------------------------------------------------------------
     def add_request(
@@ -98,7 +116,7 @@ class LLMEngine:
     def _validate(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:
             raise ValueError("the prompt is empty")
-        vocab = self.runner.model.config.vocab_size
+        vocab = self.runner.vocab_size
         if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         if len(ids) + params.max_tokens > self.max_model_len:
@@ -125,12 +143,15 @@ class LLMEngine:
 
     # ----- stepping ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        started = time.monotonic()
         batch = self.scheduler.schedule()
         if not batch.items:
             return []
         self._log_prefill(batch)
         tokens = self.runner.run(batch)
-        return self._postprocess(batch, tokens)
+        outputs = self._postprocess(batch, tokens)
+        self.runner.end_step(started)
+        return outputs
 
     def _log_prefill(self, batch: ScheduledBatch) -> None:
         for item in batch.items:

@@ -136,6 +136,18 @@ class ModelRunner:
         )
 
     @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+    @property
+    def max_position_embeddings(self) -> int:
+        return getattr(self.model.config, "max_position_embeddings", None) or 2048
+
+    def end_step(self, started: float) -> None:
+        """The engine's end-of-step hook; a real forward pass has already taken its time (the
+        simulated runner sleeps here until its modeled end)."""
+
+    @property
     def bytes_per_block(self) -> int:
         item = torch.tensor([], dtype=self.dtype).element_size()
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * item

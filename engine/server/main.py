@@ -10,6 +10,7 @@ import threading
 import uuid
 
 from engine.digests import SCHEME
+from engine.sim.profiles import PROFILES, get_profile
 
 logger = logging.getLogger("engine.front")
 
@@ -39,8 +40,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     kv.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks per rank")
     kv.add_argument("--kv-cache-memory", type=int, default=None, help="KV pool bytes per rank")
     parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument(
+        "--max-num-seqs", type=int, default=None, help="default 64 (with --simulate: the profile's)"
+    )
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="default 512 (with --simulate: the profile's)",
+    )
     parser.add_argument(
         "--dp-load-balance",
         default="least_requests",
@@ -75,6 +83,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-body-bytes", type=int, default=4 * 2**20)
     parser.add_argument("--startup-timeout", type=float, default=600.0)
+    add_simulation_arguments(parser)
+
+
+def add_simulation_arguments(parser: argparse.ArgumentParser) -> None:
+    sim = parser.add_argument_group(
+        "simulation",
+        "the real engine with the model's forward pass replaced by a step-time model "
+        "(engine/sim); --num-kv-blocks, --kv-cache-memory, --max-model-len, --block-size, "
+        "--max-num-seqs and --max-num-batched-tokens override the profile",
+    )
+    profiles = "; ".join(f"{p.name}: {p.description}" for p in PROFILES.values())
+    sim.add_argument(
+        "--simulate",
+        metavar="PROFILE",
+        default=None,
+        choices=list(PROFILES),
+        help=f"simulate PROFILE instead of running the model ({profiles})",
+    )
+    sim.add_argument(
+        "--simulate-speedup",
+        type=_positive_float,
+        default=1.0,
+        metavar="X",
+        help="run modeled time X times faster (every modeled sleep is divided by X)",
+    )
+
+
+def _positive_float(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number") from None
+    if not number > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return number
 
 
 def resolve_dp_size(args) -> tuple[int, int]:
@@ -109,41 +152,87 @@ def _cores() -> int:
 
 def build(args):
     """Start the ranks and build the ASGI app (rank processes run from here on)."""
-    from transformers import AutoTokenizer
-
-    from engine.config import EngineConfig
     from engine.server.frontend import EngineClient
-    from engine.tiny import resolve_model_path
 
     dp_size, tp_size = resolve_dp_size(args)
     if dp_size < 1:
         raise SystemExit("--dp-size must be >= 1")
     # builds the tiny model once, before the ranks race for it
-    model_path = resolve_model_path(args.model)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    config = EngineConfig(
-        model=model_path,
-        block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks,
-        kv_cache_memory=args.kv_cache_memory,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        device=resolve_device(args.device),
-        stats_interval=args.cache_stats_interval,
-    )
+    model_path = model_directory(args)
+    tokenizer = front_tokenizer(model_path, args.simulate)
+    config = engine_config(args, model_path)
     client = EngineClient(config, dp_size, args.dp_load_balance)
     threads = args.threads_per_rank or max(1, _cores() // dp_size)
     client.start(threads)
     return client, tokenizer, model_path, dp_size, tp_size
 
 
-def server_info(args, client, model_path: str, dp_size: int, tp_size: int) -> dict:
+def model_directory(args) -> str:
+    """The model's local directory. A simulated engine never imports torch, so it has a missing
+    tiny model built by a child process."""
+    from engine.tiny import resolve_model_path
+
+    if args.simulate and args.model == "tiny":
+        import subprocess
+
+        subprocess.run([sys.executable, "-m", "engine.tiny"], check=True, stdout=subprocess.DEVNULL)
+    return resolve_model_path(args.model)
+
+
+def front_tokenizer(model_path: str, simulate: str | None):
+    """The tokenizer the front parses prompts with: transformers' for the real engine, the lean
+    ``engine.tokenizer`` (same ids, no torch) for a simulated one."""
+    if simulate:
+        from engine.tokenizer import load_tokenizer
+
+        return load_tokenizer(model_path)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path)
+
+
+def engine_config(args, model_path: str):
+    """The ranks' EngineConfig; with --simulate, the profile fills the scheduler limits the
+    flags leave unset (a device is never probed: that would import torch)."""
+    from engine.config import EngineConfig
+
+    profile = get_profile(args.simulate) if args.simulate else None
+    return EngineConfig(
+        model=model_path,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory=args.kv_cache_memory,
+        **_scheduler_limits(args, profile),
+        max_model_len=args.max_model_len,
+        device="cpu" if profile else resolve_device(args.device),
+        stats_interval=args.cache_stats_interval,
+        simulate=args.simulate,
+        simulate_speedup=args.simulate_speedup,
+    )
+
+
+def _scheduler_limits(args, profile) -> dict[str, int]:
+    """--max-num-seqs / --max-num-batched-tokens, else the profile's (simulated) or 64 / 512."""
+    defaults = (profile.max_num_seqs, profile.max_num_batched_tokens) if profile else (64, 512)
+    flags = (args.max_num_seqs, args.max_num_batched_tokens)
+    seqs, tokens = (d if f is None else f for f, d in zip(flags, defaults, strict=True))
+    return {"max_num_seqs": seqs, "max_num_batched_tokens": tokens}
+
+
+def vocab_size(model_path: str, tokenizer, simulate: str | None) -> int:
+    """The id range prompts may use: the model's embedding rows, or (simulated, no model) the
+    tokenizer's full vocabulary."""
+    if simulate:
+        return len(tokenizer)
     from transformers import AutoConfig
 
+    return AutoConfig.from_pretrained(model_path).vocab_size
+
+
+def server_info(args, client, model_path: str, dp_size: int, tp_size: int, tokenizer) -> dict:
     first = client.ranks[0].info
-    return {
-        "vocab_size": AutoConfig.from_pretrained(model_path).vocab_size,
+    info = {
+        "vocab_size": vocab_size(model_path, tokenizer, args.simulate),
         "model_id": args.model,
         "served_model_name": args.served_model_name or args.model,
         "model_path": model_path,
@@ -159,6 +248,12 @@ def server_info(args, client, model_path: str, dp_size: int, tp_size: int) -> di
         # new at every start: a router that sees it change knows the prefix caches are empty
         "instance_id": uuid.uuid4().hex,
     }
+    if args.simulate:
+        info["simulate"] = {
+            **get_profile(args.simulate).summary(),
+            "speedup": args.simulate_speedup,
+        }
+    return info
 
 
 def register(router_url: str, own_url: str, key: str | None = None) -> None:
@@ -229,7 +324,7 @@ def serve(args) -> int:
         logger.error("engine failed to start: %s", client.health_reason())
         client.shutdown()
         return 1
-    info = server_info(args, client, model_path, dp_size, tp_size)
+    info = server_info(args, client, model_path, dp_size, tp_size, tokenizer)
     app = EngineApp(client, tokenizer, info, max_body_bytes=args.max_body_bytes)
     url = f"http://{args.host}:{args.port}"
     if args.register_with:

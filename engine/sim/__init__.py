@@ -1,0 +1,13 @@
+"""The simulated engine: the real engine with the model's forward pass replaced by a step-time
+model (``runengine --simulate PROFILE``), for routing experiments at fleet scale on a CPU.
+
+Only the runner is simulated. Front, DP rank processes, scheduler, block manager (real digests,
+LRU, KV events), metrics, detokenizer and stop logic are the engine's own code. Nothing under
+``engine.sim`` imports torch or transformers: 32 simulated ranks fit in a few GB.
+
+- ``step_time``: the cost of one engine step from its shape (prefill tokens, decodes, context).
+- ``profiles``: named hardware/model pairs (coefficients, KV capacity, limits) with sources.
+- ``runner``: ``SimulatedRunner``, the stand-in for ``ModelRunner``.
+- ``fit``: ``python -m engine.sim.fit`` measures our own CPU engine and fits ``cpu-tiny``.
+- ``memcheck``: ``python -m engine.sim.memcheck`` starts a simulated server and reports its RSS.
+"""
