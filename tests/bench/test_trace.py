@@ -233,14 +233,16 @@ def test_oracle_command_prints_the_trace_oracle(hand_trace, capsys):
     assert "5 records" in out and "oracle block 16: cached 80 of 162" in out
 
 
-# ----- against the real tiny engine --------------------------------------------------------------
+# ----- against the simulated engine --------------------------------------------------------------
 @pytest.mark.slow
-def test_replay_the_shared_trace_on_the_tiny_engine(tmp_path):
-    """The trace's first 50 records at 16 tokens a hash id (the first prefix it shares is record
-    49's: 57 blocks of record 42), outputs cut to 4 tokens (the tiny engine on a CPU is slow); the
-    engine's counters agree with the client's and with the oracle."""
+def test_replay_the_shared_trace_at_full_size_on_the_simulated_engine(tmp_path):
+    """The trace's first 50 records at full size (512 tokens a hash id, prompts up to 40 k
+    tokens: the simulated H100 engine takes them; the first prefix the trace shares is record
+    49's, 57 blocks of record 42), outputs cut to 4 tokens; the engine's counters agree with the
+    client's and with the oracle."""
     records = trace.read_trace(SHARED_TRACE, 50)
-    with start_engine(tmp_path, "--num-kv-blocks", "4096") as engine:
+    engine_args = ("--simulate", "h100-llama3.1-8b", "--num-kv-blocks", "60000")
+    with start_engine(tmp_path, *engine_args) as engine:
         before = metrics(engine.url)
         args = build_parser().parse_args(
             [
@@ -250,8 +252,6 @@ def test_replay_the_shared_trace_on_the_tiny_engine(tmp_path):
                 "mooncake_trace",
                 "--trace-path",
                 str(SHARED_TRACE),
-                "--trace-block-tokens",
-                "16",
                 "--trace-max-output-len",
                 "4",
                 "--num-prompts",
@@ -266,14 +266,14 @@ def test_replay_the_shared_trace_on_the_tiny_engine(tmp_path):
         report = run(args)
         after = metrics(engine.url)
     s, o, t = report["summary"], report["oracle"], report["trace"]
-    assert (t["records"], t["sent"], t["skipped"]) == (50, 50, 0)  # all fit in 2,048 tokens
+    assert (t["records"], t["sent"], t["skipped"]) == (50, 50, 0)  # all fit in 128 k tokens
     assert s["completed"] == 50 and s["failed"] == 0
-    assert s["total_input_tokens"] == sum(trace.scaled_length(r.input_length, 16) for r in records)
+    assert s["total_input_tokens"] == sum(r.input_length for r in records)
     assert s["total_output_tokens"] == sum(min(r.output_length, 4) for r in records)
     engine_cached = after[("cached_tokens", 0)] - before.get(("cached_tokens", 0), 0)
     assert engine_cached > 0 and s["cached_tokens"] == engine_cached
     assert s["per_rank"]["ranks"]["0"]["cached_tokens"] == engine_cached
-    assert o["block_size"] == 16 and o["cached_tokens"] == 57 * 16  # the oracle's own count
+    assert o["block_size"] == 16 and o["cached_tokens"] == 57 * 512  # the oracle's own count
     assert engine_cached == o["cached_tokens"]  # one engine, a big pool: it gets the oracle
     text = format_report(report)
     assert "Hit rate" in text and "Oracle hit rate" in text and "Trace replay" in text
