@@ -63,6 +63,7 @@ class EngineApp:
     ):
         self.client, self.tokenizer, self.info = client, tokenizer, server_info
         self.max_body_bytes = max_body_bytes
+        self.draining = False  # SIGTERM: no new requests, the ones in flight finish (drain.py)
         self.model = server_info["served_model_name"]
         self.model_names = {self.model, server_info["model_id"]}
         self.registry = make_registry(client, self.model)
@@ -99,7 +100,9 @@ class EngineApp:
 
     # ----- plain endpoints ---------------------------------------------------------------------
     async def health(self, scope, receive, send):
-        if self.client.healthy:
+        if self.draining:
+            await send_json(send, 503, {"status": "draining", "in_flight": self.in_flight})
+        elif self.client.healthy:
             await send_json(
                 send,
                 200,
@@ -180,7 +183,14 @@ class EngineApp:
     async def chat_completions(self, scope, receive, send):
         await self._generate(scope, receive, send, chat=True)
 
+    @property
+    def in_flight(self) -> int:
+        """Generation requests the ranks are serving now, streams included."""
+        return sum(s.inflight_requests for s in self.client.ranks)
+
     async def _generate(self, scope, receive, send, chat: bool):
+        if self.draining:
+            raise api.APIError(503, "the engine is draining: send new requests elsewhere")
         body = await read_json(receive, self.max_body_bytes)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         req = api.parse(

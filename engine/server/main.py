@@ -83,6 +83,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-body-bytes", type=int, default=4 * 2**20)
     parser.add_argument("--startup-timeout", type=float, default=600.0)
+    parser.add_argument(
+        "--drain-timeout-secs",
+        type=float,
+        default=25.0,
+        help="on SIGTERM/SIGINT: how long requests in flight may run on before the engine stops "
+        "(new ones get 503 meanwhile; a second signal stops at once)",
+    )
     add_simulation_arguments(parser)
 
 
@@ -317,6 +324,7 @@ def serve(args) -> int:
     from twisted.internet import reactor
 
     from engine.server.app import EngineApp
+    from engine.server.drain import Drain
 
     client, tokenizer, model_path, dp_size, tp_size = build(args)
     client.bind(reactor._asyncioEventloop)
@@ -334,10 +342,17 @@ def serve(args) -> int:
     print(
         f"Engine ready on {url} (model {info['served_model_name']}, dp_size {dp_size})", flush=True
     )
+    drain = Drain(
+        lambda: setattr(app, "draining", True),
+        lambda: app.in_flight,
+        args.drain_timeout_secs,
+        logger=logger,
+    )
+    drain.install(reactor._asyncioEventloop, lambda: _stop(reactor))
     server = Server(
         application=app,
         endpoints=[f"tcp:port={args.port}:interface={args.host}"],
-        signal_handlers=True,
+        signal_handlers=False,  # drain.py's instead: Twisted's would cut every stream
         verbosity=0,
         application_close_timeout=5,
     )
@@ -346,6 +361,15 @@ def serve(args) -> int:
     finally:
         client.shutdown()
     return 0
+
+
+def _stop(reactor) -> None:
+    from twisted.internet.error import ReactorNotRunning
+
+    try:
+        reactor.stop()
+    except ReactorNotRunning:  # stopping already
+        pass
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -104,14 +104,15 @@ async def test_a_second_signal_stops_at_once(standin):
 class Stream:
     """A streamed request through the router, read in a thread."""
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, **body):
         self.text, self.status, self.error = "", None, None
+        self.body = {**BODY, **body, "stream": True}
         self.first = threading.Event()
         self.thread = threading.Thread(target=self._read, args=(url,), daemon=True)
         self.thread.start()
 
     def _read(self, url: str) -> None:
-        body = {**BODY, "stream": True}
+        body = self.body
         try:
             with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
                 self.status = r.status_code
