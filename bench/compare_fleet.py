@@ -1,0 +1,198 @@
+"""Routers side by side at fleet scale: the simulated engine (``runengine --simulate``) at DP N,
+a trace replayed on its timestamps, over real HTTP and real processes. Ours (cache_aware, round
+robin) and SGLang's router (``sglang-router launch --dp-aware``, its defaults and tighter balance
+thresholds), each with a fresh engine::
+
+    .venv/bin/python -m bench.compare_fleet \\
+        --trace-path ../shared/traces/mooncake_synthetic_trace.jsonl --num-prompts 600 \\
+        --dp-size 4 --speedup 4 --simulate-speedup 4 --num-kv-blocks 250000
+
+``--speedup`` divides the trace's times and ``--simulate-speedup`` the engine's modeled step
+times: the same dynamics in less wall time, as long as this machine keeps up (the ranks log
+"simulation behind its model" when it does not). Latencies are reported in modeled seconds
+(measured x simulate-speedup). It prints hit rate, hits / oracle, per-rank prompt tokens max/mean
+(the engine's own /metrics) and TTFT mean/p50/p90/p99, and writes a TTFT CDF per router as SVG.
+
+Known limits (2026-12-01): on a 2-vCPU machine the full-size trace is CPU-bound (the front, the
+ranks, the router and the client share the cores: TTFT of seconds where the routing lab models
+tenths), and sglang-router 0.3.2 refuses token-id prompts (422: its ``prompt`` is a string or a
+list of strings), so its rows need the trace sent as text first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from bench import engine_metrics
+from bench.compare_routers import router_cmd
+from bench.datasets import allowed_token_ids
+from bench.oracle import oracle_cached
+from bench.procs import free_port, start
+from bench.runner import RunOptions, send_samples
+from bench.stats import balance
+from bench.trace import build, read_trace
+from tests.support.procs import start_engine
+
+ROUTERS = {
+    "dpmesh cache_aware": ("dpmesh", "cache_aware", []),
+    "dpmesh round_robin": ("dpmesh", "round_robin", []),
+    "sglang cache_aware": ("sglang", "cache_aware", []),
+    # SGLang's own knobs set to balance sooner (its defaults: 64 requests and 1.5x)
+    "sglang cache_aware tuned": (
+        "sglang",
+        "cache_aware",
+        ["--balance-abs-threshold", "4", "--balance-rel-threshold", "1.1"],
+    ),
+}
+
+
+def quantiles(values: list[float]) -> dict:
+    if not values:
+        return dict.fromkeys(("mean", "p50", "p90", "p99"), float("nan"))
+    arr = np.asarray(values, dtype=float)
+    return {
+        "mean": float(arr.mean()),
+        "p50": float(np.percentile(arr, 50)),
+        "p90": float(np.percentile(arr, 90)),
+        "p99": float(np.percentile(arr, 99)),
+    }
+
+
+async def replay(engine_url: str, router_url: str, samples, speedup: float):
+    before = await engine_metrics.scrape(engine_url + "/metrics")
+    opts = RunOptions(base_url=router_url, model="tiny", speedup=speedup, progress=False)
+    run = await send_samples(opts, samples)
+    after = await engine_metrics.scrape(engine_url + "/metrics")
+    return run.results, engine_metrics.delta(before, after)
+
+
+def run_router(name: str, args, samples, workdir: Path) -> dict:
+    kind, policy, extra = ROUTERS[name]
+    engine_args = ["--dp-size", str(args.dp_size), "--simulate", args.simulate,
+                   "--simulate-speedup", str(args.simulate_speedup)]  # fmt: skip
+    if args.num_kv_blocks:
+        engine_args += ["--num-kv-blocks", str(args.num_kv_blocks)]
+    slug = name.replace(" ", "-")
+    with start_engine(workdir, *engine_args, name=f"engine-{slug}") as engine:
+        port = free_port()
+        env = {"DATABASE_URL": f"sqlite:///{workdir}/{slug}.sqlite3"}
+        cmd = router_cmd(kind, policy, engine.url, port) + extra
+        with start(cmd, f"http://127.0.0.1:{port}", workdir / f"router-{slug}.log", env=env,
+                   timeout=120) as router:  # fmt: skip
+            results, diff = asyncio.run(replay(engine.url, router.url, samples, args.speedup))
+    ok = [r for r in results if r.ok]
+    prompt = diff.get("prompt_tokens", {})
+    cached = sum(diff.get("cached_tokens", {}).values())
+    per_rank = {r: prompt.get(r, 0.0) for r in range(args.dp_size)}
+    by_start = sorted(ok, key=lambda r: r.start)
+    oracle = sum(oracle_cached([samples[r.meta["index"]].prompt.tolist() for r in by_start]))
+    scale = args.simulate_speedup  # measured seconds -> modeled seconds
+    ttft = [r.ttft * scale for r in ok]
+    return {
+        "router": name,
+        "ok": len(ok),
+        "failed": len(results) - len(ok),
+        "hit_rate": cached / max(1.0, sum(per_rank.values())),
+        "hits_vs_oracle": cached / oracle if oracle else float("nan"),
+        "prompt_max_mean": balance(per_rank) or float("nan"),
+        "ttft_s": quantiles(ttft),
+        "ttft_sorted": sorted(ttft),
+    }
+
+
+def cdf_svg(rows: list[dict], title: str) -> str:
+    """A TTFT CDF per router (log-scaled seconds), as a small standalone SVG."""
+    width, height, pad = 640, 360, 48
+    colors = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e"]
+    rows = [r for r in rows if r["ttft_sorted"]]
+    if not rows:
+        return ""
+    lo = max(1e-3, min(r["ttft_sorted"][0] for r in rows))
+    hi = max(r["ttft_sorted"][-1] for r in rows)
+    span = np.log10(hi) - np.log10(lo) or 1.0
+
+    def x(v):
+        return pad + (np.log10(max(v, lo)) - np.log10(lo)) / span * (width - 2 * pad)
+
+    def y(p):
+        return height - pad - p * (height - 2 * pad)
+
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+             f'font-family="sans-serif" font-size="11">',
+             f'<text x="{pad}" y="20" font-size="13">{title}</text>',
+             f'<line x1="{pad}" y1="{y(0)}" x2="{width - pad}" y2="{y(0)}" stroke="#888"/>',
+             f'<line x1="{pad}" y1="{y(0)}" x2="{pad}" y2="{y(1)}" stroke="#888"/>']  # fmt: skip
+    decade = 10 ** np.floor(np.log10(lo))
+    while decade <= hi * 10:
+        if lo <= decade <= hi:
+            parts.append(f'<text x="{x(decade):.1f}" y="{height - pad + 14}" '
+                         f'text-anchor="middle">{decade:g} s</text>')  # fmt: skip
+        decade *= 10
+    for p in (0.5, 0.9, 0.99):
+        parts.append(f'<text x="{pad - 4}" y="{y(p) + 4:.1f}" text-anchor="end">p{int(p * 100)}'
+                     f"</text>")  # fmt: skip
+    for i, r in enumerate(rows):
+        values = r["ttft_sorted"]
+        n = len(values)
+        points = " ".join(f"{x(v):.1f},{y((k + 1) / n):.1f}" for k, v in enumerate(values))
+        color = colors[i % len(colors)]
+        parts.append(f'<polyline fill="none" stroke="{color}" stroke-width="1.5" '
+                     f'points="{points}"/>')  # fmt: skip
+        parts.append(f'<text x="{width - pad - 150}" y="{y(0.3) + 14 * i:.1f}" '
+                     f'fill="{color}">{r["router"]}</text>')  # fmt: skip
+    parts.append("</svg>")
+    return "\n".join(parts)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--trace-path", required=True)
+    parser.add_argument("--num-prompts", type=int, default=600)
+    parser.add_argument("--dp-size", type=int, default=4)
+    parser.add_argument("--speedup", type=float, default=4.0)
+    parser.add_argument("--simulate", default="h100-llama3.1-8b")
+    parser.add_argument("--simulate-speedup", type=float, default=4.0)
+    parser.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument("--routers", nargs="*", default=list(ROUTERS))
+    parser.add_argument("--svg", default=None, help="write the TTFT CDF here")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    from engine.tiny import ensure_tiny_model
+    from engine.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(str(ensure_tiny_model()))
+    records = read_trace(args.trace_path, args.num_prompts)
+    allowed = allowed_token_ids(len(tok), tok)
+    samples = build(records, allowed=allowed, max_model_len=131072).samples
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.routers:
+            rows.append(run_router(name, args, samples, Path(tmp)))
+            r = rows[-1]
+            t = r["ttft_s"]
+            print(f"dp {args.dp_size} {name:<26} ok {r['ok']} hit {r['hit_rate']:.3f} "
+                  f"vs-oracle {r['hits_vs_oracle']:.3f} max/mean {r['prompt_max_mean']:.2f} "
+                  f"TTFT mean {t['mean']:.3f} p50 {t['p50']:.3f} p90 {t['p90']:.3f} "
+                  f"p99 {t['p99']:.3f} s", flush=True)  # fmt: skip
+    if args.svg:
+        title = (f"TTFT CDF, {args.num_prompts} Mooncake requests, simulated {args.simulate} "
+                 f"DP {args.dp_size}")  # fmt: skip
+        Path(args.svg).write_text(cdf_svg(rows, title))
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps([{k: v for k, v in r.items() if k != "ttft_sorted"} for r in rows], indent=2)
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
