@@ -4,7 +4,7 @@ robin) and SGLang's router (``sglang-router launch --dp-aware``, its defaults an
 thresholds), each with a fresh engine::
 
     .venv/bin/python -m bench.compare_fleet \\
-        --trace-path ../shared/traces/mooncake_synthetic_trace.jsonl --num-prompts 600 \\
+        --trace-path bench/traces/mooncake_synthetic_trace.jsonl --num-prompts 600 \\
         --dp-size 4 --speedup 4 --simulate-speedup 4 --num-kv-blocks 250000
 
 ``--speedup`` divides the trace's times and ``--simulate-speedup`` the engine's modeled step

@@ -10,7 +10,7 @@ that starts at ``t`` delivers its tokens at ``t`` + its modeled time. The router
 one; first tokens and ends reach it when the engine produces them (the HTTP hop is not modeled).
 
     .venv/bin/python -m bench.routing_lab \\
-        --trace-path ../shared/traces/mooncake_synthetic_trace.jsonl --num-prompts 1500 \\
+        --trace-path bench/traces/mooncake_synthetic_trace.jsonl --num-prompts 1500 \\
         --dp-size 4 --speedup 1 --num-kv-blocks 250000 --policy cache_aware sglang round_robin
 
 ``sglang`` is a model of SGLang's router's cache-aware rule (its defaults: balance when the

@@ -18,7 +18,7 @@ from bench.report import format_report
 from bench.runner import RunOptions, send_samples
 from tests.support.procs import REPO_ROOT, metrics, start_engine
 
-SHARED_TRACE = REPO_ROOT.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
+SHARED_TRACE = REPO_ROOT / "bench" / "traces" / "mooncake_synthetic_trace.jsonl"
 ALLOWED = datasets.allowed_token_ids(4096)
 
 # Hand-written: r1 shares r0's first two blocks, r2 shares r0's first one and then differs, r3 is
