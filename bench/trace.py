@@ -1,4 +1,4 @@
-"""Production-trace replay: the Mooncake trace format (``shared/traces/README.md``).
+"""Production-trace replay: the Mooncake trace format (``bench/traces/README.md``).
 
 One JSON object a line: ``timestamp`` (ms from the start), ``input_length``, ``output_length`` and
 ``hash_ids``, one per 512-token block, equal ids meaning the same prefix up to that block. There
