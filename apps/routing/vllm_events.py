@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -40,6 +41,7 @@ POSITIONAL = {  # field order of the array form, after the type name
 }
 MISMATCH_AFTER_BLOCKS = 16  # stored blocks of which none was ever routed: the digests differ
 RECENT_ROUTED = 65_536  # routed digests remembered per rank for that check
+CLOCK_SLACK_S = 1.0  # vLLM's batch stamps vs this host's clock
 
 
 @dataclass
@@ -66,9 +68,15 @@ class RankDecoder:
         self.routed_hits = 0  # stored digests the router had routed there: the languages agree
         self.recent_routed: OrderedDict[int, None] = OrderedDict()  # bounded, newest last
         self.routed_blocks = 0
+        self.first_routed_at: float | None = None  # wall clock, as vLLM stamps its batches
+        self.batch_ts: float | None = None  # the stamp of the message being decoded
+        self.restarts = 0  # how often the sequence started over (a new vLLM process)
+        self.checked_blocks = 0  # stored since the router first routed here
 
     def routed(self, digests: list[int]) -> None:
         """The router sent a request with these block digests to this rank."""
+        if self.first_routed_at is None:
+            self.first_routed_at = time.time()
         self.routed_blocks += len(digests)
         recent = self.recent_routed
         for digest in digests:
@@ -83,8 +91,11 @@ class RankDecoder:
             # the sequence started over: a new publisher, so a new vLLM process, its cache empty
             self.digest_of.clear()
             out.cleared = True
+            self.restarts += 1
         self.last_seq = seq
         message = _decoder.decode(payload)
+        stamp = message[0] if isinstance(message, list) and message else None
+        self.batch_ts = stamp if isinstance(stamp, int | float) else None
         events = message[1] if isinstance(message, list) and len(message) >= 2 else []
         stored: list[int] = []
         for event in events:
@@ -142,16 +153,22 @@ class RankDecoder:
         """Called with the digests just stored: once the router has sent many blocks here and
         none of the many the engine stored is one of them, the router's tokenizer or chat
         template is not the engine's (the anchors' silent-0 % failure): say so. (Blocks other
-        clients sent vLLM directly never match; they do not count against it.)"""
+        clients sent vLLM directly never match; they do not count against it, nor do blocks
+        stored before the router first routed here: a replay brings the rank's history.)"""
+        if self.first_routed_at is None or (
+            self.batch_ts is not None and self.batch_ts < self.first_routed_at - CLOCK_SLACK_S
+        ):
+            return
+        self.checked_blocks += len(stored)
         self.routed_hits += sum(1 for d in stored if d in self.recent_routed)
         if (
             self.routed_hits == 0
-            and self.stored_blocks >= MISMATCH_AFTER_BLOCKS
+            and self.checked_blocks >= MISMATCH_AFTER_BLOCKS
             and self.routed_blocks >= MISMATCH_AFTER_BLOCKS
             and not self.mismatch
         ):
             self.mismatch = (
-                f"{self.stored_blocks} blocks stored and none matches what the router sent: "
+                f"{self.checked_blocks} blocks stored and none matches what the router sent: "
                 "its tokenizer or chat template differs from the engine's (tokenizer_path)"
             )
 

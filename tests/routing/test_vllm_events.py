@@ -4,6 +4,8 @@ lost messages, and the two mismatches that otherwise give a silent 0 %."""
 
 from __future__ import annotations
 
+import time
+
 import msgspec
 
 from apps.routing.fleet import zmq_endpoints, zmq_replay_endpoints
@@ -15,8 +17,9 @@ TOKENS = list(range(100, 116))  # four blocks of four
 DIGESTS = chain_digests(TOKENS, BS)
 
 
-def payload(*events, rank=0) -> bytes:
-    return msgspec.msgpack.encode([1.0, list(events), rank])
+def payload(*events, rank=0, ts=None) -> bytes:
+    """A vLLM message: [ts (its wall clock), events, rank]."""
+    return msgspec.msgpack.encode([time.time() if ts is None else ts, list(events), rank])
 
 
 def stored_map(hashes, parent, tokens, block_size=BS):
@@ -91,7 +94,7 @@ def test_a_sequence_that_starts_over_is_a_new_process_with_an_empty_cache():
     decoder = RankDecoder(BS)
     decoder.decode(40, payload(stored_map([11, 12], None, TOKENS[:8])))
     batch = decoder.decode(0, payload(stored_map([21], None, TOKENS[:4])))  # vLLM restarted
-    assert batch.cleared and not batch.gap
+    assert batch.cleared and not batch.gap and decoder.restarts == 1
     assert batch.events == [("stored", DIGESTS[:1])] and decoder.digest_of == {21: DIGESTS[0]}
 
 
@@ -111,3 +114,20 @@ def test_publishers_and_replay_sockets_are_read_apart_from_kv_event_sources():
         rank["replay_endpoint"] = None
     assert zmq_replay_endpoints(url, info, 2) == ()
     assert zmq_endpoints(url, info) == ("tcp://10.0.0.5:5557", "tcp://10.0.0.5:5558")
+
+
+def test_history_stored_before_the_router_routed_there_is_no_mismatch():
+    """A replay brings blocks other clients had vLLM store before this router routed anything
+    there: they never match what it sent, and must not be read as a tokenizer mismatch."""
+    decoder = RankDecoder(BS)
+    decoder.routed(DIGESTS)  # the router starts routing here now
+    old = [list(range(1000 + 4 * i, 1004 + 4 * i)) for i in range(MISMATCH_AFTER_BLOCKS + 4)]
+    for seq, tokens in enumerate(old):  # stamped a minute ago: history
+        batch = decoder.decode(
+            seq, payload(stored_map([500 + seq], None, tokens), ts=time.time() - 60)
+        )
+        decoder.check_language([d for _, ds in batch.events for d in ds])
+    assert decoder.mismatch is None
+    batch = decoder.decode(99, payload(stored_map([11, 12, 13, 14], None, TOKENS)))
+    decoder.check_language([d for _, ds in batch.events for d in ds])
+    assert decoder.mismatch is None and decoder.routed_hits == 4
