@@ -31,12 +31,11 @@ from pathlib import Path
 import numpy as np
 
 from bench import engine_metrics
-from bench.compare_routers import router_cmd
+from bench.compare_routers import router_cmd, row
 from bench.datasets import allowed_token_ids
 from bench.oracle import oracle_cached
 from bench.procs import free_port, start
 from bench.runner import RunOptions, send_samples
-from bench.stats import balance
 from bench.trace import build, read_trace
 from tests.support.procs import start_engine
 
@@ -88,23 +87,15 @@ def run_router(name: str, args, samples, workdir: Path) -> dict:
                    timeout=120) as router:  # fmt: skip
             results, diff = asyncio.run(replay(engine.url, router.url, samples, args.speedup))
     ok = [r for r in results if r.ok]
-    prompt = diff.get("prompt_tokens", {})
-    cached = sum(diff.get("cached_tokens", {}).values())
-    per_rank = {r: prompt.get(r, 0.0) for r in range(args.dp_size)}
     by_start = sorted(ok, key=lambda r: r.start)
     oracle = sum(oracle_cached([samples[r.meta["index"]].prompt.tolist() for r in by_start]))
-    scale = args.simulate_speedup  # measured seconds -> modeled seconds
-    ttft = [r.ttft * scale for r in ok]
-    return {
-        "router": name,
-        "ok": len(ok),
-        "failed": len(results) - len(ok),
-        "hit_rate": cached / max(1.0, sum(per_rank.values())),
-        "hits_vs_oracle": cached / oracle if oracle else float("nan"),
-        "prompt_max_mean": balance(per_rank) or float("nan"),
-        "ttft_s": quantiles(ttft),
-        "ttft_sorted": sorted(ttft),
-    }
+    out = row(name, results, oracle, diff, args.dp_size)
+    for key in ("ttft_p50_ms", "ttft_p99_ms"):  # measured, not modeled: replaced below
+        del out[key]
+    for key in ("hits_vs_oracle", "prompt_max_mean"):
+        out[key] = out[key] or float("nan")
+    ttft = [r.ttft * args.simulate_speedup for r in ok]  # measured seconds -> modeled seconds
+    return {**out, "ttft_s": quantiles(ttft), "ttft_sorted": sorted(ttft)}
 
 
 def cdf_svg(rows: list[dict], title: str) -> str:

@@ -88,6 +88,7 @@ def make_ranks(dp_size: int, profile: str, block_size: int, num_kv_blocks: int |
 def make_router(policy: str, dp_size: int, block_size: int, capacity: int, clock):
     """The real router, its fleet one simulated worker of ``dp_size`` ranks."""
     from apps.replicas.models import Worker
+    from apps.routing.load import RankLoad
     from apps.routing.policies import POLICIES
     from apps.routing.router import Router, RouterConfig
     from engine.digests import SCHEME
@@ -104,10 +105,8 @@ def make_router(policy: str, dp_size: int, block_size: int, capacity: int, clock
             "num_kv_blocks_per_rank": capacity}  # fmt: skip
     worker = Worker(id=1, url="http://lab", dp_size=dp_size, model_id="tiny", server_info=info)
     router.worker_saved(worker, {})
-    for target in router.fleet.all_targets():
-        load = target.load
-        load.clock = clock
-        load._recent_at = load._sessions_at = clock()
+    for target in router.fleet.all_targets():  # fresh loads on the virtual clock
+        target.load = RankLoad(clock=clock)
     return router
 
 

@@ -265,9 +265,9 @@ def serve_router(opts: dict, on_ready=None) -> None:
     from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler
     from twisted.internet import reactor
     from twisted.internet.defer import Deferred
-    from twisted.internet.error import ReactorNotRunning
 
     from controlplane.asgi import build_application
+    from engine.server.drain import stop_reactor
 
     router = Router(RouterConfig.from_options(opts))
     overrides = {
@@ -288,14 +288,8 @@ def serve_router(opts: dict, on_ready=None) -> None:
     if on_ready:
         loop.call_soon(on_ready)
 
-    def stop_reactor() -> None:
-        try:
-            reactor.stop()
-        except ReactorNotRunning:  # stopping already
-            pass
-
     # Twisted's own handlers would stop the reactor at the first signal, cutting every stream
-    process.drain.install(loop, stop_reactor)
+    process.drain.install(loop, lambda: stop_reactor(reactor))
     Server(
         application=app,
         endpoints=[f"tcp:port={port}:interface={host}"],

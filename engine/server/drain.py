@@ -18,6 +18,16 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT)
 POLL_S = 0.05
 
 
+def stop_reactor(reactor) -> None:
+    """Stop the Twisted reactor unless it is stopping already (a drain's ``stop``)."""
+    from twisted.internet.error import ReactorNotRunning
+
+    try:
+        reactor.stop()
+    except ReactorNotRunning:
+        pass
+
+
 class Drain:
     """Once: ``begin()``, then ``stop()`` when ``in_flight()`` is 0 or ``timeout_s`` passed."""
 

@@ -324,7 +324,7 @@ def serve(args) -> int:
     from twisted.internet import reactor
 
     from engine.server.app import EngineApp
-    from engine.server.drain import Drain
+    from engine.server.drain import Drain, stop_reactor
 
     client, tokenizer, model_path, dp_size, tp_size = build(args)
     client.bind(reactor._asyncioEventloop)
@@ -348,7 +348,7 @@ def serve(args) -> int:
         args.drain_timeout_secs,
         logger=logger,
     )
-    drain.install(reactor._asyncioEventloop, lambda: _stop(reactor))
+    drain.install(reactor._asyncioEventloop, lambda: stop_reactor(reactor))
     server = Server(
         application=app,
         endpoints=[f"tcp:port={args.port}:interface={args.host}"],
@@ -361,15 +361,6 @@ def serve(args) -> int:
     finally:
         client.shutdown()
     return 0
-
-
-def _stop(reactor) -> None:
-    from twisted.internet.error import ReactorNotRunning
-
-    try:
-        reactor.stop()
-    except ReactorNotRunning:  # stopping already
-        pass
 
 
 def main(argv: list[str] | None = None) -> int:
