@@ -151,6 +151,11 @@ class CacheAware(Policy):
         queued = sum(t.load.queued_prefill_tokens for t in targets) / len(targets)
         depth = queued / shape.prompt_tokens if shape.prompt_tokens else 0.0
         rework = busy * max(self.rework_floor, min(self.rework_cap, depth))
+        if shape.chat and best_match <= shared:
+            # a chat turn with no history anywhere starts a session: copying the shared prefix
+            # (its system prompt) to where it lands is paid once for all its later turns, and
+            # where sessions start is the balance term's to decide
+            rework = 0.0
         out = []
         for t, hit, n, live in zip(targets, hits, inflight, sessions, strict=True):
             stranded = max(0, best_match - max(hit, shared))

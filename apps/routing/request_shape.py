@@ -116,12 +116,15 @@ def text_digests(text: str) -> list[int]:
 
 class RequestShape:
     """A request as the router routes it: its digests, its prompt size in tokens (or an estimate),
-    and the unit one digest covers (``block_tokens``)."""
+    the unit one digest covers (``block_tokens``), and whether it is a chat turn (``chat``)."""
 
-    __slots__ = ("digests", "prompt_tokens", "block_tokens")
+    __slots__ = ("digests", "prompt_tokens", "block_tokens", "chat")
 
-    def __init__(self, digests: list[int], prompt_tokens: int, block_tokens: int):
+    def __init__(
+        self, digests: list[int], prompt_tokens: int, block_tokens: int, chat: bool = False
+    ):
         self.digests, self.prompt_tokens, self.block_tokens = digests, prompt_tokens, block_tokens
+        self.chat = chat
 
     @property
     def hittable_blocks(self) -> int:
@@ -136,7 +139,7 @@ def shape_request(
     if tokenizer is not None:
         ids = prompt_token_ids(body, chat, tokenizer)
         if ids is not None:
-            return RequestShape(chain_digests(ids, block_size), len(ids), block_size)
+            return RequestShape(chain_digests(ids, block_size), len(ids), block_size, chat)
     text = routing_text(body, chat)
     # ~4 characters a token: good enough to weigh the work of a foreign engine's request
-    return RequestShape(text_digests(text), max(1, len(text) // 4), CHUNK_CHARS // 4)
+    return RequestShape(text_digests(text), max(1, len(text) // 4), CHUNK_CHARS // 4, chat)
