@@ -267,7 +267,7 @@ def serve_router(opts: dict, on_ready=None) -> None:
     from twisted.internet.defer import Deferred
 
     from controlplane.asgi import build_application
-    from engine.server.drain import stop_reactor
+    from engine.server.drain import close_loop, stop_reactor
 
     router = Router(RouterConfig.from_options(opts))
     overrides = {
@@ -297,6 +297,7 @@ def serve_router(opts: dict, on_ready=None) -> None:
         verbosity=0,
         application_close_timeout=5,
     ).run()
+    close_loop(loop)
 
 
 def _with_static(application, handler):

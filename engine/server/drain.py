@@ -28,6 +28,24 @@ def stop_reactor(reactor) -> None:
         pass
 
 
+def close_loop(loop: asyncio.AbstractEventLoop, wait_s: float = 1.0) -> None:
+    """After the reactor stopped: cancel what still runs on ``loop`` (a stop cut short leaves
+    requests and loops pending), let it unwind for up to ``wait_s``, then close the loop. Left
+    open, the loop is only closed by the collector at exit, after its self-pipe socket may have
+    been finalized, which prints a traceback ("Invalid file descriptor: -1")."""
+    if loop.is_closed():
+        return
+    pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+    for task in pending:
+        task.cancel()
+    try:
+        if pending:
+            loop.run_until_complete(asyncio.wait(pending, timeout=wait_s))
+        loop.run_until_complete(loop.shutdown_asyncgens())
+    finally:
+        loop.close()
+
+
 class Drain:
     """Once: ``begin()``, then ``stop()`` when ``in_flight()`` is 0 or ``timeout_s`` passed."""
 

@@ -324,7 +324,7 @@ def serve(args) -> int:
     from twisted.internet import reactor
 
     from engine.server.app import EngineApp
-    from engine.server.drain import Drain, stop_reactor
+    from engine.server.drain import Drain, close_loop, stop_reactor
 
     client, tokenizer, model_path, dp_size, tp_size = build(args)
     client.bind(reactor._asyncioEventloop)
@@ -360,6 +360,7 @@ def serve(args) -> int:
         server.run()
     finally:
         client.shutdown()
+        close_loop(reactor._asyncioEventloop)
     return 0
 
 
