@@ -99,7 +99,8 @@ def make_router(policy: str, dp_size: int, block_size: int, capacity: int, clock
     )
     if policy in LAB_POLICIES:
         router.policy = LAB_POLICIES[policy]()
-    router.index.clock = clock
+    router.index.clock = router.demand.clock = clock
+    router.demand.total_at = clock()
     info = {"dp_size": dp_size, "model_id": "tiny", "model_path": str(ensure_tiny_model()),
             "block_size": block_size, "prefix_digest": SCHEME,
             "num_kv_blocks_per_rank": capacity}  # fmt: skip

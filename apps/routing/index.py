@@ -131,3 +131,45 @@ class PrefixIndex:
 
     def size(self, key: str) -> int:
         return len(self.ranks.get(key, ()))
+
+
+class PrefixDemand:
+    """How much of the recent traffic each shared prefix carries: a count per prefix (named by
+    the digest of its last block, where requests branch) and one over all requests, both decayed
+    with a half-life of ``half_life_s``. ``share`` is the first over the second.
+
+    The cost model reads it to tell a hot prefix, one that needs more ranks than hold it, from a
+    prefix its holders can serve at their fair share of the traffic; only the first is worth
+    copying to an idle rank when requests happen to bunch up on its home."""
+
+    PRUNE_EVERY = 4096
+
+    def __init__(self, half_life_s: float = 30.0, clock=time.monotonic):
+        self.half_life_s, self.clock = half_life_s, clock
+        self.counts: dict[int, tuple[float, float]] = {}  # prefix digest -> (count, as of)
+        self.total, self.total_at = 0.0, clock()
+        self.adds = 0
+
+    def _decayed(self, value: float, at: float, now: float) -> float:
+        return value * 0.5 ** ((now - at) / self.half_life_s)
+
+    def add(self, prefix: int | None) -> None:
+        """One request routed; ``prefix``: the digest that ends the shared prefix it matched."""
+        now = self.clock()
+        self.total = self._decayed(self.total, self.total_at, now) + 1.0
+        self.total_at = now
+        if prefix is not None:
+            value, at = self.counts.get(prefix, (0.0, now))
+            self.counts[prefix] = (self._decayed(value, at, now) + 1.0, now)
+        self.adds += 1
+        if self.adds % self.PRUNE_EVERY == 0:  # forget prefixes no longer asked for
+            self.counts = {
+                d: (v, at) for d, (v, at) in self.counts.items() if self._decayed(v, at, now) > 0.01
+            }
+
+    def share(self, prefix: int) -> float:
+        """The fraction of recent requests that matched ``prefix`` (0 for one never added)."""
+        now = self.clock()
+        value, at = self.counts.get(prefix, (0.0, now))
+        total = self._decayed(self.total, self.total_at, now)
+        return self._decayed(value, at, now) / total if total > 0 else 0.0

@@ -116,15 +116,19 @@ def text_digests(text: str) -> list[int]:
 
 class RequestShape:
     """A request as the router routes it: its digests, its prompt size in tokens (or an estimate),
-    the unit one digest covers (``block_tokens``), and whether it is a chat turn (``chat``)."""
+    the unit one digest covers (``block_tokens``), and whether it is a chat turn (``chat``).
+    ``prefix_share`` is the router's, set before a policy reads the shape: the fraction of recent
+    requests that shared the prefix this one shares (apps/routing/index.py ``PrefixDemand``;
+    None: not known, and a policy takes the prefix as hot)."""
 
-    __slots__ = ("digests", "prompt_tokens", "block_tokens", "chat")
+    __slots__ = ("digests", "prompt_tokens", "block_tokens", "chat", "prefix_share")
 
     def __init__(
         self, digests: list[int], prompt_tokens: int, block_tokens: int, chat: bool = False
     ):
         self.digests, self.prompt_tokens, self.block_tokens = digests, prompt_tokens, block_tokens
         self.chat = chat
+        self.prefix_share: float | None = None
 
     @property
     def hittable_blocks(self) -> int:

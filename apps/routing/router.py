@@ -22,7 +22,7 @@ from django.core.exceptions import ImproperlyConfigured
 from apps.replicas.runtime import SCOPE_KEY, runtime_of
 from apps.routing.dispatch import Dispatch, DispatchObserver
 from apps.routing.fleet import Fleet, Target, view_of
-from apps.routing.index import PrefixIndex
+from apps.routing.index import PrefixDemand, PrefixIndex
 from apps.routing.policies import POLICIES, Policy, make_policy
 from apps.routing.request_shape import RequestShape, shape_request, tokenizer_or_none
 from apps.routing.sessions import SessionTable
@@ -129,6 +129,7 @@ class Router:
         self.rng = rng or random.Random()
         self.fleet = Fleet()
         self.index = PrefixIndex(ttl_s=self.config.prefix_ttl_s)
+        self.demand = PrefixDemand()
         self.sessions = SessionTable(ttl_s=self.config.session_ttl_s)
         self.stats = RouterStats()
         self.policy: Policy = self._make_policy(self.config.policy)
@@ -178,6 +179,10 @@ class Router:
             )
         shapes, matched, shared = self._match(body, chat, candidates)
         primary = shapes[candidates[0].key]
+        # how hot the shared prefix is (counting this request): the policy copies only a hot one
+        prefix = primary.digests[shared - 1] if 0 < shared <= len(primary.digests) else None
+        self.demand.add(prefix)
+        primary.prefix_share = self.demand.share(prefix) if prefix is not None else None
         home = self.sessions.home(session, candidates) if session else None
         target = home or self.policy.choose(candidates, primary, matched, shared)
         if session:

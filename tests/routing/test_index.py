@@ -3,7 +3,7 @@ expiry, and removal; every number exact, on a fake clock."""
 
 import pytest
 
-from apps.routing.index import PrefixIndex
+from apps.routing.index import PrefixDemand, PrefixIndex
 from tests.routing.helpers import Clock
 
 
@@ -203,3 +203,18 @@ def test_replace_makes_a_rank_hold_exactly_the_snapshot(index, clock):
     index.replace("a", [])
     assert index.size("a") == 0 and index.match([1, 2]) == {"b": 2}
     assert_consistent(index)
+
+
+def test_prefix_demand_is_each_prefix_share_of_the_recent_requests():
+    clock = Clock()
+    demand = PrefixDemand(half_life_s=10.0, clock=clock)
+    assert demand.share(7) == 0.0
+    for _ in range(3):
+        demand.add(7)
+    demand.add(None)  # a request with no shared prefix counts in the total only
+    assert demand.share(7) == pytest.approx(0.75)
+    clock.now += 10.0  # a half-life later, the old requests weigh half
+    for _ in range(2):
+        demand.add(8)
+    assert demand.share(7) == pytest.approx(1.5 / 4)
+    assert demand.share(8) == pytest.approx(2 / 4)

@@ -155,6 +155,44 @@ def test_rework_follows_the_queue_depth_up_to_its_cap_and_is_off_when_idle():
         assert away_cost - home_cost == pytest.approx(64 + rework * 64), queued
 
 
+@pytest.mark.parametrize(("share", "hot"), [(None, True), (0.6, True), (0.5, False), (0.1, False)])
+def test_only_a_hot_shared_prefix_is_pulled_toward_an_idle_target(share, hot):
+    """All in flight on the prefix's home, the other target idle: the balance term (here 256 x
+    excess 1/2 each way) pulls the request away only when its prefix carries more than its one
+    holder's fair share (1/2 of the traffic on two targets); a prefix its home can absorb stays
+    with its queue costs alone. An unknown share counts as hot."""
+    policy = cache_aware()
+    home, away = targets(2)
+    for _ in range(2):
+        home.load.begin(200, 0)
+    s = shape(65, blocks=4)
+    s.prefix_share = share
+    home_cost, away_cost = policy.costs([home, away], s, {home.key: 4}, shared_blocks=4)
+    swing = 2 * 256 * 0.5 if hot else 0
+    assert home_cost - away_cost == pytest.approx((1 + 32) - 65 + swing)
+
+
+def test_for_a_prefix_that_is_not_hot_the_balance_term_only_argues_against_a_copy():
+    """Three targets: the home below the mean load, a more loaded and an idle target without the
+    prefix. For a prefix that is not hot the home keeps its pull (negative excess) and the loaded
+    one its push; only the idle one loses its pull toward a copy there."""
+    policy = cache_aware(balance_weight=300.0)
+    home, loaded, idle = targets(3)
+    home.load.begin(200, 0)
+    for _ in range(3):
+        loaded.load.begin(200, 0)
+    s = shape(65, blocks=4)
+    matched = {home.key: 4}
+    s.prefix_share = 0.1  # 0.1 x 3 targets < 1 holder
+    cold = policy.costs([home, loaded, idle], s, matched, shared_blocks=4)
+    s.prefix_share = 0.9
+    hot = policy.costs([home, loaded, idle], s, matched, shared_blocks=4)
+    # in flight 1 / 3 / 0, mean 4/3, no sessions: excess -1/8, +5/8, -1/2; pressure 1
+    assert cold[0] == hot[0] == pytest.approx(1 + 16 + 300 * -1 / 8)
+    assert cold[1] == hot[1] == pytest.approx(65 + 48 + 300 * 5 / 8)
+    assert (cold[2], hot[2]) == pytest.approx((65, 65 - 300 / 2))
+
+
 def test_a_replicated_prefix_is_weighed_on_both_copies():
     policy = cache_aware()
     home, copy, cold = targets(3)

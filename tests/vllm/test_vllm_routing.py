@@ -161,10 +161,9 @@ async def test_prefix_workload_gets_the_hits_vllms_block_rules_allow(router, cli
 
     await asyncio.gather(*(limited(p) for p in rest))
     allowed = allowed_hits(prompts)
-    # At concurrency 8 one prefix of the ten is now and then copied to the other rank (measured
-    # 0.975 and 1.000 of the allowed hits; issue 10's >= 0.99 is met at 1, not reliably at 8)
-    floor = 0.99 if concurrency == 1 else 0.97
-    assert allowed > 0 and sum(cached) >= floor * allowed, (sum(cached), allowed)
+    # one prefix copied to the other rank would cost 320 of the 12,800 tokens (0.975): none is,
+    # since no prefix here carries more than its home's fair share (policies.CacheAware.hot)
+    assert allowed > 0 and sum(cached) >= 0.99 * allowed, (sum(cached), allowed)
     loads = [router.stats.targets[t.key].prompt_tokens for t in router.fleet.all_targets()]
     assert max(loads) <= 1.5 * (sum(loads) / len(loads))  # both ranks used, no pile-up
 
