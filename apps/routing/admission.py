@@ -8,7 +8,9 @@ A request is admitted (``Admission.acquire`` returns a ``Slot``) when
 - the fleet is not saturated (``fleet_saturated``): some available target is below
   ``--saturation-queued-prefill-tokens`` prefill tokens that no engine has started yet (every
   router process's: ``RankLoad.queued_prefill_tokens``) and, where the router knows a target's KV
-  usage (``Target.kv_usage``), below ``--saturation-kv-usage``. Both 0: the rule is off.
+  usage (``Target.kv_usage``: the engine's own, from the latest scrape of its /metrics that
+  ``FleetSync`` applied, a few seconds old; unknown when no recent scrape answered), below
+  ``--saturation-kv-usage``. Both 0: the rule is off.
 
 Otherwise it waits in one queue, the lowest ``X-Priority`` first (vLLM's order), then by arrival.
 When ``--queue-size`` requests are waiting already, or the wait passes ``--queue-timeout-secs``,
@@ -18,8 +20,9 @@ drains (apps/routing/drain.py) every waiting and every new request is rejected w
 Waiters are woken when a slot is released, when a dispatched request's prefill ends (its tokens
 leave the targets' queues: this is a ``DispatchObserver``), and, while the fleet stays saturated,
 every ``SATURATION_POLL_S`` (the other router processes' load and the engines' KV usage change
-without telling this one). One waiter is granted per turn of the event loop, so the one just
-admitted has routed, and its load counts, before the next one is weighed.
+without telling this one; the KV usage changes here when ``FleetSync`` next applies a scrape).
+One waiter is granted per turn of the event loop, so the one just admitted has routed, and its
+load counts, before the next one is weighed.
 
 A slot is released exactly once (``Slot.release`` is idempotent; the endpoint releases it in a
 ``finally``, after every retry). A waiter whose client leaves is dropped from the queue; one

@@ -66,9 +66,13 @@ class Target:
     rank_id: int | None = None  # the Rank row, for persisted stats
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     load: RankLoad = field(default_factory=RankLoad)
-    # The fraction of the rank's KV cache in use as its engine last said (0..1); None: unknown
-    # (nothing feeds it yet: scraped engine metrics will). The admission control's saturation
-    # rule reads it (apps/routing/admission.py) and ignores a target whose usage is unknown.
+    # The fraction of the rank's KV cache in use as its engine last said (0..1): the scrape job
+    # writes it into RankSample rows (ours: its block counts; vLLM: kv_cache_usage_perc times the
+    # capacity discovery found), and FleetSync (apps/routing/fleet_sync.py) sets it here from the
+    # latest one every 2 s, so it is a few seconds old. None: unknown (no sample newer than
+    # fleet_sync.kv_usage_max_age_s(), the engine did not answer its last scrape, or its
+    # capacity is unknown). The admission control's saturation rule reads it
+    # (apps/routing/admission.py) and ignores a target whose usage is unknown.
     kv_usage: float | None = None
     key: str = field(init=False)  # ``url@rank``; read many times per routed request
 

@@ -1,7 +1,15 @@
 """Every router process follows the database: what another process, the admin of another
 process or the Celery discovery refresh changed there is applied here within ``SYNC_INTERVAL_S``:
-the policy (switched on the dashboard, maybe served by another router process) and the workers
-(added, drained, refreshed or removed elsewhere).
+the policy (switched on the dashboard, maybe served by another router process), the workers
+(added, drained, refreshed or removed elsewhere), and each target's KV usage
+(``Target.kv_usage``, which the admission control's saturation rule reads) from the latest
+``RankSample`` the scrape job wrote for its rank (apps/routing/jobs.py: every
+``SCRAPE_INTERVAL_S``, in this process without a broker, else on the Celery worker).
+
+So a target's KV usage is as old as one scrape interval plus one sync interval (about 4 s by
+default), never older than ``kv_usage_max_age_s()``: past that, or when the engine did not
+answer its last scrape, or says no KV capacity, it is unknown (None), and the saturation rule
+ignores the target.
 """
 
 from __future__ import annotations
@@ -9,16 +17,54 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Iterable
+from datetime import timedelta
 
 from asgiref.sync import sync_to_async
+from django.conf import settings
+from django.db.models import OuterRef, Subquery
+from django.utils import timezone
 
 from apps.replicas.discovery import stable_info
+from apps.replicas.models import RankSample
 from apps.replicas.services import worker_list
 from apps.routing.services import policy_adopt
 
 logger = logging.getLogger(__name__)
 
 SYNC_INTERVAL_S = 2.0
+
+# How old a rank's latest sample may be for its KV usage to count (at least three scrape
+# intervals, when those are longer). The scrape writes one every SCRAPE_INTERVAL_S (2 s); a
+# latest one older than this means nothing scrapes any more (no Celery worker running, the
+# embedded jobs stuck) or the rank's rows are gone, and a frozen "full" must not hold every new
+# request back until its queue timeout. 30 s rides out a few missed scrapes (one of an engine
+# that does not answer takes its 5 s timeout; a Celery worker restarts) and the clock skew
+# between the scraper's host, whose clock stamps the sample, and this router's.
+KV_USAGE_MAX_AGE_S = 30.0
+
+
+def kv_usage_max_age_s() -> float:
+    return max(KV_USAGE_MAX_AGE_S, 3 * settings.CONTROL_PLANE["SCRAPE_INTERVAL_S"])
+
+
+def kv_usage_by_rank(rank_ids: Iterable[int], now=None) -> dict[int, float]:
+    """{Rank id: fraction of its KV cache in use (0..1)} from each rank's latest sample, for the
+    ranks whose latest sample is fresh (``kv_usage_max_age_s``), says the engine answered
+    (``up``) and knows its capacity (``kv_blocks_total`` > 0); the others are left out. One
+    query, whatever the number of ranks (sync: call it through ``sync_to_async``)."""
+    rank_ids = list(rank_ids)
+    if not rank_ids:
+        return {}
+    cutoff = (now or timezone.now()) - timedelta(seconds=kv_usage_max_age_s())
+    fresh = RankSample.objects.filter(at__gte=cutoff)
+    latest = fresh.filter(rank_id=OuterRef("rank_id")).order_by("-at", "-id").values("id")[:1]
+    rows = (
+        fresh.filter(rank_id__in=rank_ids, id=Subquery(latest), up=True, kv_blocks_total__gt=0)
+        .order_by()
+        .values_list("rank_id", "kv_blocks_used", "kv_blocks_total")
+    )
+    return {rank_id: min(1.0, max(0.0, used / total)) for rank_id, used, total in rows}
 
 
 def _fingerprint(worker, rank_ids: dict) -> tuple:
@@ -44,7 +90,7 @@ class FleetSync:
         self.installed: dict[int, tuple] = {}  # worker id -> fingerprint of what was installed
 
     async def sync(self) -> int:
-        """Apply the rows; returns how many workers the database holds."""
+        """Apply the rows, then the KV usage; returns how many workers the database holds."""
         router = self.router
         seen = set()
         for worker, rank_ids in await sync_to_async(worker_list)():
@@ -63,7 +109,17 @@ class FleetSync:
             router.worker_removed(worker_id)
             self.installed.pop(worker_id, None)
             logger.info("worker %s removed elsewhere: forgotten here too", worker_id)
+        await self.sync_kv_usage()
         return len(seen)
+
+    async def sync_kv_usage(self) -> None:
+        """Every installed target's ``kv_usage`` from its rank's latest fresh sample (None: no
+        such sample, so unknown). One query for the whole fleet."""
+        fleet = self.router.fleet
+        rank_ids = {t.rank_id for t in fleet.all_targets() if t.rank_id is not None}
+        usage = await sync_to_async(kv_usage_by_rank)(rank_ids)
+        for target in fleet.all_targets():  # the fleet as it is now, after the wait
+            target.kv_usage = usage.get(target.rank_id)
 
     async def run(self) -> None:
         while True:

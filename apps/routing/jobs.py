@@ -5,7 +5,9 @@ They touch only the database and the engines (never a router's memory), so the s
 in a Celery worker (``apps/routing/tasks.py`` wraps each one in a task: Celery's convention) or,
 without a broker (no ``REDIS_URL``), in threads of the router process on their intervals
 (``embedded_jobs_loop`` below). Router processes pick up what they change (a new dp_size, a
-draining flag) from the database.
+draining flag) from the database, and each rank's KV usage (``Target.kv_usage``, which the
+admission control's saturation rule reads) from the latest scraped samples
+(apps/routing/fleet_sync.py).
 """
 
 from __future__ import annotations
@@ -22,7 +24,12 @@ from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
 
 from apps.replicas.auth import configured_keys
-from apps.replicas.discovery import DiscoveryError, fetch_server_info, stable_info
+from apps.replicas.discovery import (
+    DiscoveryError,
+    effective_info,
+    fetch_server_info,
+    stable_info,
+)
 from apps.replicas.models import RankSample, Worker, WorkerEvent
 from apps.replicas.services import save_worker
 from controlplane import http
@@ -52,7 +59,9 @@ SAMPLE_FIELDS = (
 )
 
 # Engine metric names -> RankSample fields: ours (per-rank label "rank"), then vLLM's (label
-# "engine" is its DP rank) so a vLLM worker behind the router gets a time series too.
+# "engine" is its DP rank) so a vLLM worker behind the router gets a time series too. vLLM says
+# no KV block counts, only the fraction in use (``kv_usage_perc``, 0..1, no RankSample field):
+# ``parse_engine_metrics`` turns it into blocks with the worker's known capacity.
 _METRIC_MAP = {
     "dpmesh_engine_requests": "requests",
     "dpmesh_engine_prompt_tokens": "prompt_tokens",
@@ -67,13 +76,21 @@ _METRIC_MAP = {
     "vllm:prefix_cache_hits": "cached_tokens",
     "vllm:num_requests_running": "running",
     "vllm:num_requests_waiting": "waiting",
+    "vllm:kv_cache_usage_perc": "kv_usage_perc",
 }
 
 
-def parse_engine_metrics(text: str) -> dict[int | None, dict[str, float]]:
+def parse_engine_metrics(
+    text: str, capacity_blocks: int | None = None
+) -> dict[int | None, dict[str, float]]:
     """{rank: {field: value}} from an engine's Prometheus text. Series without a rank label are
     filed under None; several series of one field for one rank (vLLM splits request_success by
-    finish reason) are summed."""
+    finish reason) are summed.
+
+    A rank that says what fraction of its KV cache is in use but no block counts (vLLM) gets
+    ``kv_blocks_total`` = ``capacity_blocks`` (the worker's KV blocks per rank, as discovery
+    found them: ``num_kv_blocks_per_rank``) and ``kv_blocks_used`` = that fraction of it,
+    rounded; without a known capacity it gets neither. An engine's own counts (ours) are kept."""
     out: dict[int | None, dict[str, float]] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -90,6 +107,11 @@ def parse_engine_metrics(text: str) -> dict[int | None, dict[str, float]]:
                 rank = None
             values = out.setdefault(rank, {})
             values[field] = values.get(field, 0.0) + sample.value
+    for values in out.values():
+        usage = values.pop("kv_usage_perc", None)
+        if usage is not None and capacity_blocks and "kv_blocks_total" not in values:
+            values["kv_blocks_total"] = float(capacity_blocks)
+            values["kv_blocks_used"] = float(round(usage * capacity_blocks))
     return out
 
 
@@ -107,8 +129,10 @@ def _rank_values(parsed: dict, rank: int | None) -> dict[str, float] | None:
 
 def scrape_fleet(timeout: float = 5.0) -> int:
     """One RankSample per rank of every discovered worker, all stamped with the same time (one
-    point of the dashboard's series). An engine that does not answer gets ``up=False`` rows with
-    its last known counters, so the series shows the gap. Returns the number of rows written."""
+    point of the dashboard's series, and what every router process's ``FleetSync`` reads each
+    rank's KV usage from). An engine that does not answer gets ``up=False`` rows with its last
+    known counters, so the series shows the gap (and the routers take its KV usage for unknown).
+    Returns the number of rows written."""
     at = timezone.now()
     rows = []
     workers = list(Worker.objects.exclude(server_info={}).prefetch_related("ranks"))
@@ -139,13 +163,22 @@ async def _scrape_all(workers: list[Worker], timeout: float) -> list[dict | None
     return await asyncio.gather(*(_scrape(w, timeout) for w in workers))
 
 
+def _capacity_blocks(worker: Worker) -> int | None:
+    """The worker's KV blocks per rank as discovery found them (vLLM: ``num_gpu_blocks`` of its
+    ``vllm:cache_config_info``), or None."""
+    blocks = effective_info(worker.server_info, worker.overrides).get("num_kv_blocks_per_rank")
+    return (
+        blocks if isinstance(blocks, int) and not isinstance(blocks, bool) and blocks > 0 else None
+    )
+
+
 async def _scrape(worker: Worker, timeout: float) -> dict | None:
     """The engine's /metrics by rank, or None when it does not answer them."""
     try:
         status, text = await http.get_text(
             worker.url + "/metrics", api_key=worker.api_key, timeout_s=timeout
         )
-        return parse_engine_metrics(text) if status == 200 else None
+        return parse_engine_metrics(text, _capacity_blocks(worker)) if status == 200 else None
     except (*http.ERRORS, ValueError) as exc:
         logger.debug("scraping %s failed: %s", worker.url, exc)
         return None

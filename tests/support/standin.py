@@ -5,7 +5,9 @@ A bare HTTP/1.1 server on asyncio streams (keep-alive; streams sent with chunked
 connection dropped mid-stream is an error to the reader, not the end of the body). It answers
 ``/health``, ``/server_info`` (with ``dp_size``), ``/v1/models``, and ``/v1/completions`` +
 ``/v1/chat/completions`` with a ``Behaviour`` chosen per request: the next scripted one, else
-the one set for the request's ``data_parallel_rank``, else the default.
+the one set for the request's ``data_parallel_rank``, else the default. ``/metrics`` serves
+``metrics_text`` when the test sets one; with ``server_info=False`` it has no ``/server_info``
+(404), so a ``metrics_text`` in vLLM's names makes discovery take it for vLLM.
 
 In tests it runs in a background thread (``StandIn(...).start()``) and the test changes its
 behaviours and reads what it received; for the benchmark it runs as a process:
@@ -60,8 +62,18 @@ class Received:
 
 
 class StandIn:
-    def __init__(self, dp_size: int = 2, model: str = "standin", default: Behaviour | None = None):
+    def __init__(
+        self,
+        dp_size: int = 2,
+        model: str = "standin",
+        default: Behaviour | None = None,
+        *,
+        server_info: bool = True,
+        metrics_text: str = "",
+    ):
         self.dp_size, self.model = dp_size, model
+        self.server_info = server_info
+        self.metrics_text = metrics_text  # "": no /metrics (404); the test may change it
         self.default = default or Behaviour()
         self.by_rank: dict[int, Behaviour] = {}
         self.script: deque[Behaviour] = deque()
@@ -155,7 +167,7 @@ class StandIn:
         path = target.split("?", 1)[0]
         if method == "POST" and path in ("/v1/completions", "/v1/chat/completions"):
             return await self._generate(path, body, reader, writer) and keep_alive
-        if method == "GET" and path in ("/server_info", "/get_server_info"):
+        if method == "GET" and path in ("/server_info", "/get_server_info") and self.server_info:
             self._send(
                 writer,
                 200,
@@ -175,6 +187,13 @@ class StandIn:
         elif method == "GET" and path == "/v1/models":
             self._send(
                 writer, 200, {"object": "list", "data": [{"id": self.model, "object": "model"}]}
+            )
+        elif method == "GET" and path == "/metrics" and self.metrics_text:
+            data = self.metrics_text.encode()
+            writer.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: text/plain; version=0.0.4\r\n"
+                + f"content-length: {len(data)}\r\n\r\n".encode()
+                + data
             )
         else:
             self._send(writer, 404, error_body(404, f"{method} {path} is not served here"))
