@@ -15,8 +15,10 @@ times: the same dynamics in less wall time, as long as this machine keeps up (th
 
 Known limits (2026-12-01): on a 2-vCPU machine the full-size trace is CPU-bound (the front, the
 ranks, the router and the client share the cores: TTFT of seconds where the routing lab models
-tenths), and sglang-router 0.3.2 refuses token-id prompts (422: its ``prompt`` is a string or a
-list of strings), so its rows need the trace sent as text first.
+tenths). sglang-router 0.3.2 refuses token-id prompts (422: its ``prompt`` is a string or a list
+of strings), so by default the trace is built from whole-word tokens and sent as text
+(``--prompt-format text``; bench.datasets ``word_token_ids``): the engine tokenizes each prompt
+back to the same ids, so the blocks and shared prefixes are the trace's.
 """
 
 from __future__ import annotations
@@ -26,13 +28,14 @@ import asyncio
 import json
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
 from bench import engine_metrics
 from bench.compare_routers import router_cmd, row
-from bench.datasets import allowed_token_ids
+from bench.datasets import allowed_token_ids, word_token_ids
 from bench.oracle import oracle_cached
 from bench.procs import free_port, start
 from bench.runner import RunOptions, send_samples
@@ -72,7 +75,10 @@ async def replay(engine_url: str, router_url: str, samples, speedup: float):
     return run.results, engine_metrics.delta(before, after)
 
 
-def run_router(name: str, args, samples, workdir: Path) -> dict:
+def run_router(name: str, args, samples, workdir: Path, id_samples=None) -> dict:
+    """``samples`` are sent; ``id_samples`` (the same prompts as token ids, when ``samples`` are
+    texts) give the oracle."""
+    id_samples = id_samples or samples
     kind, policy, extra = ROUTERS[name]
     engine_args = ["--dp-size", str(args.dp_size), "--simulate", args.simulate,
                    "--simulate-speedup", str(args.simulate_speedup)]  # fmt: skip
@@ -88,7 +94,7 @@ def run_router(name: str, args, samples, workdir: Path) -> dict:
             results, diff = asyncio.run(replay(engine.url, router.url, samples, args.speedup))
     ok = [r for r in results if r.ok]
     by_start = sorted(ok, key=lambda r: r.start)
-    oracle = sum(oracle_cached([samples[r.meta["index"]].prompt.tolist() for r in by_start]))
+    oracle = sum(oracle_cached([list(id_samples[r.meta["index"]].prompt) for r in by_start]))
     out = row(name, results, oracle, diff, args.dp_size)
     for key in ("ttft_p50_ms", "ttft_p99_ms"):  # measured, not modeled: replaced below
         del out[key]
@@ -154,6 +160,15 @@ def main(argv=None) -> int:
     parser.add_argument("--simulate-speedup", type=float, default=4.0)
     parser.add_argument("--num-kv-blocks", type=int, default=None)
     parser.add_argument("--routers", nargs="*", default=list(ROUTERS))
+    parser.add_argument(
+        "--prompt-format",
+        choices=("text", "ids"),
+        default="text",
+        help="text (default): prompts of whole-word tokens sent as text, which every router takes "
+        "and which tokenize back to the same ids; ids: token-id prompts (sglang-router refuses "
+        "them)",
+    )
+    parser.add_argument("--trace-block-tokens", type=int, default=512)
     parser.add_argument("--svg", default=None, help="write the TTFT CDF here")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
@@ -162,12 +177,18 @@ def main(argv=None) -> int:
 
     tok = load_tokenizer(str(ensure_tiny_model()))
     records = read_trace(args.trace_path, args.num_prompts)
-    allowed = allowed_token_ids(len(tok), tok)
-    samples = build(records, allowed=allowed, max_model_len=131072).samples
+    text = args.prompt_format == "text"
+    allowed = word_token_ids(tok) if text else allowed_token_ids(len(tok), tok)
+    id_samples = build(
+        records, allowed=allowed, block_tokens_=args.trace_block_tokens, max_model_len=131072
+    ).samples
+    samples = id_samples
+    if text:
+        samples = [replace(s, prompt=tok.decode(list(s.prompt))) for s in id_samples]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.routers:
-            rows.append(run_router(name, args, samples, Path(tmp)))
+            rows.append(run_router(name, args, samples, Path(tmp), id_samples))
             r = rows[-1]
             t = r["ttft_s"]
             print(f"dp {args.dp_size} {name:<26} ok {r['ok']} hit {r['hit_rate']:.3f} "

@@ -57,6 +57,24 @@ def allowed_token_ids(vocab_size: int, tokenizer=None) -> list[int]:
     return [i for i in range(len(tokenizer)) if i not in special]
 
 
+def word_token_ids(tokenizer) -> list[int]:
+    """Ids that are each one whole space-led word (`` word``) and encode back to themselves: any
+    sequence of them decodes to a text that encodes to exactly that sequence, since a word-level
+    pre-tokenizer (the tiny model's byte-level BPE, GPT-2's, Llama 3's) splits it at each word.
+    Token-id workloads built from them can be sent as text (a router that takes no token ids)
+    with the same blocks and the same prefixes."""
+    special = set(tokenizer.all_special_ids)
+    out = []
+    for i in range(len(tokenizer)):
+        if i in special:
+            continue
+        text = tokenizer.decode([i])
+        if len(text) > 1 and text[0] == " " and text[1:].isascii() and text[1:].isalpha():
+            if tokenizer.encode(text, add_special_tokens=False) == [i]:
+                out.append(i)
+    return out
+
+
 def random_ids(rng: random.Random, allowed: list[int], n: int) -> list[int]:
     return [allowed[rng.randrange(len(allowed))] for _ in range(n)]
 
