@@ -160,11 +160,14 @@ class Router:
         exclude: set[str] = frozenset(),
         rank: int | None = None,
         session: str | None = None,
+        ids: dict[str, list[int] | None] | None = None,
     ) -> Dispatch:
         """Choose a target and commit: begin its load, insert the request's blocks into the index
         for it (the engine caches them as it prefills), tell the observers. The returned dispatch
         owns the request's end. ``rank``: only that DP rank of a worker (the client's pin);
-        ``session``: the client's session id (apps/routing/sessions.py), kept on its rank."""
+        ``session``: the client's session id (apps/routing/sessions.py), kept on its rank;
+        ``ids``: the prompt's token ids per tokenizer path, when already computed
+        (``tokenizer_paths`` and request_shape.tokenize_off_loop)."""
 
         def allowed(t: Target) -> bool:
             return t.key not in exclude and (rank is None or t.rank == rank)
@@ -177,7 +180,7 @@ class Router:
             raise NoTarget(
                 f"no available worker serves model {model!r}" if model else "no available worker"
             )
-        shapes, matched, shared = self._match(body, chat, candidates)
+        shapes, matched, shared = self._match(body, chat, candidates, ids)
         primary = shapes[candidates[0].key]
         # how hot the shared prefix is (counting this request): the policy copies only a hot one
         prefix = primary.digests[shared - 1] if 0 < shared <= len(primary.digests) else None
@@ -218,7 +221,20 @@ class Router:
             observers=self.observers,
         )
 
-    def _match(self, body: dict, chat: bool, candidates: list[Target]):
+    def tokenizer_paths(self, model: str | None) -> set[str]:
+        """The tokenizers the candidates for ``model`` digest prompts with."""
+        paths = {self._tokenizer_path(t) for t in self.fleet.candidates(model)}
+        if not paths and model:
+            paths = {self._tokenizer_path(t) for t in self.fleet.candidates(None)}
+        return {p for p in paths if p}
+
+    def _tokenizer_path(self, target: Target) -> str | None:
+        worker = target.worker
+        if not (worker.block_size or self.config.tokenizer_path):
+            return None
+        return self.config.tokenizer_path or worker.tokenizer_path
+
+    def _match(self, body: dict, chat: bool, candidates: list[Target], ids=None):
         """The request's shape for each candidate (workers may differ in tokenizer or block size:
         each is matched in its own digests), the matches in units of the first candidate's blocks,
         and the shared-prefix depth in those units."""
@@ -228,7 +244,7 @@ class Router:
         shapes, matched, shared = {}, {}, 0
         unit = None
         for members in groups.values():
-            shape = self._shape(body, chat, members[0])
+            shape = self._shape(body, chat, members[0], ids)
             unit = unit or shape.block_tokens
             for t in members:
                 shapes[t.key] = shape
@@ -239,13 +255,14 @@ class Router:
             )
         return shapes, matched, shared
 
-    def _shape(self, body: dict, chat: bool, target: Target) -> RequestShape:
+    def _shape(self, body: dict, chat: bool, target: Target, ids=None) -> RequestShape:
         worker = target.worker
         return shape_request(
             body,
             chat,
             self.config.tokenizer_path or worker.tokenizer_path,
             worker.block_size or (16 if self.config.tokenizer_path else None),
+            ids,
         )
 
     # ----- the FleetRuntime the replicas app's services tell (apps/replicas/runtime.py) ----------

@@ -31,6 +31,7 @@ import aiohttp
 
 from apps.routing import health
 from apps.routing.dispatch import Dispatch
+from apps.routing.request_shape import tokenize_off_loop
 from apps.routing.router import NoTarget, Router
 from controlplane import http
 from controlplane.errors import error_bytes
@@ -92,9 +93,13 @@ async def proxy_request(
     model = body.get("model") if isinstance(body.get("model"), str) else None
     tried: set[str] = set()
     last: ProxyError | None = None
+    # a long text prompt is tokenized once, in worker threads, for every attempt
+    ids = await tokenize_off_loop(body, chat, router.tokenizer_paths(model))
     for attempt in range(router.config.max_retries + 1):
         try:
-            dispatch = router.route(body, chat, model, exclude=tried, rank=rank, session=session)
+            dispatch = router.route(
+                body, chat, model, exclude=tried, rank=rank, session=session, ids=ids
+            )
         except NoTarget as exc:
             error = last or ProxyError(503, str(exc), "server_error")
             await send_body(send, error.status, error.body())

@@ -7,14 +7,17 @@ import xxhash
 
 from apps.routing.request_shape import (
     CHUNK_CHARS,
+    OFF_LOOP_CHARS,
     load_tokenizer,
     routing_text,
     shape_request,
     text_digests,
+    tokenize_off_loop,
 )
 from engine.digests import chain_digests
 from engine.server.openai_api import chat_prompt, completion_prompt
 from engine.tiny import VOCAB_SIZE, ensure_tiny_model
+from engine.tokenizer import GIL_FREE_CHARS
 
 BLOCK = 16
 
@@ -189,3 +192,33 @@ def test_a_body_the_tokenizer_path_cannot_parse_falls_back(tiny_path):
     shape = shape_request(body, False, tiny_path, BLOCK)
     assert shape.block_tokens == CHUNK_CHARS // 4
     assert shape.digests == text_digests(str(body["prompt"]))
+
+
+LONG = (PROMPT + " ") * (OFF_LOOP_CHARS // len(PROMPT) + 2)
+
+
+async def test_a_long_prompt_tokenized_off_the_loop_digests_like_the_engine(tiny_path, tokenizer):
+    """A long text prompt is tokenized in a worker thread, through the tokenizer's batch call
+    (which releases the GIL); the ids, hence the digests, are the engine's, for a completion and
+    a chat request; a short one is left to ``shape_request`` inline."""
+    assert len(LONG) >= max(OFF_LOOP_CHARS, GIL_FREE_CHARS)
+    body = {"prompt": LONG}
+    engine_ids = completion_prompt(body, tokenizer, vocab_size=VOCAB_SIZE)
+    known = await tokenize_off_loop(body, False, [tiny_path])
+    assert known == {tiny_path: engine_ids}
+    assert tokenizer.backend.encode(LONG, add_special_tokens=False).ids == engine_ids
+    shape = shape_request(body, False, tiny_path, BLOCK, known)
+    assert shape.digests == chain_digests(engine_ids, BLOCK)
+    assert shape.digests == shape_request(body, False, tiny_path, BLOCK).digests
+    chat = {"messages": [{"role": "user", "content": LONG}]}
+    known = await tokenize_off_loop(chat, True, [tiny_path])
+    assert known == {tiny_path: chat_prompt(chat, tokenizer)}
+    assert await tokenize_off_loop({"prompt": PROMPT}, False, [tiny_path]) == {}
+    assert await tokenize_off_loop({"prompt": list(range(9000))}, False, [tiny_path]) == {}
+
+
+def test_known_ids_are_used_as_given(tiny_path):
+    """What ``tokenize_off_loop`` computed is what the shape digests (not tokenized again)."""
+    ids = list(range(100, 164))
+    shape = shape_request({"prompt": "anything"}, False, tiny_path, BLOCK, {tiny_path: ids})
+    assert shape.digests == chain_digests(ids, BLOCK) and shape.prompt_tokens == 64
