@@ -28,6 +28,7 @@ import asyncio
 import json
 import sys
 import tempfile
+from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 
@@ -171,6 +172,7 @@ def main(argv=None) -> int:
     parser.add_argument("--trace-block-tokens", type=int, default=512)
     parser.add_argument("--svg", default=None, help="write the TTFT CDF here")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--workdir", default=None, help="keep the engines' and routers' logs here")
     args = parser.parse_args(argv)
     from engine.tiny import ensure_tiny_model
     from engine.tokenizer import load_tokenizer
@@ -186,7 +188,9 @@ def main(argv=None) -> int:
     if text:
         samples = [replace(s, prompt=tok.decode(list(s.prompt))) for s in id_samples]
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
+    if args.workdir:
+        Path(args.workdir).mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() if not args.workdir else nullcontext(args.workdir) as tmp:
         for name in args.routers:
             rows.append(run_router(name, args, samples, Path(tmp), id_samples))
             r = rows[-1]

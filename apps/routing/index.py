@@ -34,19 +34,29 @@ class PrefixIndex:
 
     def match(self, digests: list[int], keys: list[str] | None = None) -> dict[str, int]:
         """Leading blocks of ``digests`` each rank holds (only ranks with at least one)."""
-        now = self.clock()
         alive = set(keys) if keys is not None else set(self.ranks)
+        alive &= self.ranks.keys()
+        for key in alive:  # expired entries leave first: what remains is within the TTL
+            self._trim(key)
         matched: dict[str, int] = {}
-        for i, digest in enumerate(digests):
-            holders = self.owners.get(digest)
+        depth = 0
+        owners = self.owners
+        for digest in digests:
+            holders = owners.get(digest)
             if not holders:
                 break
-            alive &= holders
-            alive = {k for k in alive if now - self.ranks[k][digest] <= self.ttl_s}
-            if not alive:
-                break
+            still = alive & holders
+            if len(still) != len(alive):  # the ones that dropped out matched ``depth``
+                if depth:
+                    for key in alive - still:
+                        matched[key] = depth
+                alive = still
+                if not alive:
+                    break
+            depth += 1
+        if depth:
             for key in alive:
-                matched[key] = i + 1
+                matched[key] = depth
         return matched
 
     def shared_blocks(self, digests: list[int]) -> int:
@@ -100,7 +110,9 @@ class PrefixIndex:
         self.remove(key, [d for d in lru if d not in keep])
         now = self.clock()
         for digest in digests:
-            if digest not in lru:
+            if digest in lru:
+                lru.move_to_end(digest)  # the LRU stays in time order: expired entries lead
+            else:
                 self.owners.setdefault(digest, set()).add(key)
             lru[digest] = now
         self._trim(key)

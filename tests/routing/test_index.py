@@ -218,3 +218,40 @@ def test_prefix_demand_is_each_prefix_share_of_the_recent_requests():
         demand.add(8)
     assert demand.share(7) == pytest.approx(1.5 / 4)
     assert demand.share(8) == pytest.approx(2 / 4)
+
+
+def reference_match(index: PrefixIndex, digests, keys=None) -> dict[str, int]:
+    """Match by its definition: each rank's leading run of digests it holds within the TTL."""
+    now = index.clock()
+    out = {}
+    for key in keys if keys is not None else list(index.ranks):
+        lru = index.ranks.get(key, {})
+        n = 0
+        while n < len(digests) and now - lru.get(digests[n], -1e18) <= index.ttl_s:
+            n += 1
+        if n:
+            out[key] = n
+    return out
+
+
+def test_match_agrees_with_its_definition_under_random_churn(clock):
+    import random
+
+    rng = random.Random(7)
+    index = PrefixIndex(ttl_s=30.0, default_capacity=60, clock=clock)
+    heads = [[rng.randrange(1, 40) for _ in range(rng.randrange(1, 6))] for _ in range(6)]
+    for step in range(600):
+        key = f"r{rng.randrange(4)}"
+        chain = rng.choice(heads) + [rng.randrange(40, 400) for _ in range(rng.randrange(0, 5))]
+        action = rng.random()
+        if action < 0.6:
+            index.insert(key, chain)
+        elif action < 0.7:
+            index.remove(key, rng.sample(chain, max(1, len(chain) // 2)))
+        elif action < 0.75:
+            index.replace(key, chain)
+        clock.now += rng.choice((0.0, 0.5, 3.0, 12.0))
+        probe = rng.choice(heads) + chain[len(chain) // 2 :]
+        keys = rng.choice((None, ["r0", "r2"], ["r1", "nope"]))
+        assert index.match(probe, keys) == reference_match(index, probe, keys), step
+    assert_consistent(index)
