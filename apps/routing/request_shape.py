@@ -19,6 +19,7 @@ import os
 import xxhash
 
 from engine.digests import chain_digests
+from engine.server.openai_api import OFF_LOOP_CHARS, prompt_text_chars
 
 logger = logging.getLogger(__name__)
 
@@ -137,30 +138,12 @@ class RequestShape:
         return max(0, (self.prompt_tokens - 1) // self.block_tokens)
 
 
-# A text prompt of this many characters is tokenized in a worker thread (``tokenize_off_loop``):
-# below it, the thread hop costs more than the tokenizing (about 0.25 ms per 1,000 characters).
-OFF_LOOP_CHARS = 4096
-
-
-def prompt_chars(body: dict, chat: bool) -> int:
-    """How many characters of text the engine will tokenize for ``body`` (0: token ids)."""
-    if chat:
-        messages = body.get("messages")
-        if not isinstance(messages, list):
-            return 0
-        return sum(len(_message_text(m.get("content"))) for m in messages if isinstance(m, dict))
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1:
-        prompt = prompt[0]
-    return len(prompt) if isinstance(prompt, str) else 0
-
-
 async def tokenize_off_loop(body: dict, chat: bool, tokenizer_paths) -> dict[str, list[int] | None]:
     """The prompt's token ids for each of ``tokenizer_paths``, computed in worker threads when the
     prompt is long text (the tokenizer releases the GIL: the event loop keeps relaying streams
     meanwhile, and a router on several cores tokenizes on them), else {} (``shape_request``
     tokenizes inline). For ``shape_request``'s ``known_ids``."""
-    if prompt_chars(body, chat) < OFF_LOOP_CHARS:
+    if prompt_text_chars(body, chat) < OFF_LOOP_CHARS:
         return {}
     out = {}
     for path in tokenizer_paths:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import time
@@ -193,7 +194,8 @@ class EngineApp:
             raise api.APIError(503, "the engine is draining: send new requests elsewhere")
         body = await read_json(receive, self.max_body_bytes)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        req = api.parse(
+        parse = functools.partial(
+            api.parse,
             body,
             headers,
             chat=chat,
@@ -203,6 +205,9 @@ class EngineApp:
             max_model_len=self.info["max_model_len"],
             vocab_size=self.info["vocab_size"],
         )
+        # a long text prompt is tokenized in a worker thread: the loop keeps streaming meanwhile
+        long = api.prompt_text_chars(body, chat) >= api.OFF_LOOP_CHARS
+        req = await asyncio.to_thread(parse) if long else parse()
         try:
             rank = self.client.choose_rank(req.rank_hint)
         except RankUnavailable as exc:

@@ -161,6 +161,39 @@ def completion_prompt(body: dict, tokenizer, vocab_size: int) -> list[int]:
     )
 
 
+# A request whose prompt text is this long is parsed (tokenized) in a worker thread, off the event
+# loop: the tokenizer releases the GIL for it (engine/tokenizer.py), and shorter ones cost less
+# than the thread hop. The router uses the same bound for its own tokenizing.
+OFF_LOOP_CHARS = 4096
+
+
+def prompt_text_chars(body, chat: bool) -> int:
+    """How many characters of text a request asks to tokenize (0: token ids, or not a body we
+    understand; ``parse`` says what is wrong with it)."""
+    if not isinstance(body, dict):
+        return 0
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list):
+            return 0
+        total = 0
+        for m in messages:
+            content = m.get("content") if isinstance(m, dict) else None
+            if isinstance(content, str):
+                total += len(content)
+            elif isinstance(content, list):
+                total += sum(
+                    len(p["text"])
+                    for p in content
+                    if isinstance(p, dict) and isinstance(p.get("text"), str)
+                )
+        return total
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    return len(prompt) if isinstance(prompt, str) else 0
+
+
 def _message_text(msg: dict, i: int) -> str:
     content = msg.get("content")
     if content is None and msg.get("role") == "assistant":

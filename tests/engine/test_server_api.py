@@ -168,6 +168,10 @@ BAD_INPUTS = [
     ("completions", {"prompt": "x", "stop": 7}, 400),
     ("completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400),
     ("completions", {"prompt": "x" * 70000}, 413),
+    # long text (parsed in a worker thread, engine/server/app.py): over the context, or bad params
+    ("completions", {"prompt": "the cat sat " * 500}, 400),
+    ("chat", {"messages": [{"role": "user", "content": "the cat sat " * 500}]}, 400),
+    ("completions", {"prompt": "the cat sat " * 400, "temperature": "hot"}, 400),
 ]
 
 
