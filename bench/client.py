@@ -27,6 +27,8 @@ class RequestResult:
     usage_reported: bool = False
     rank: int | None = None  # from the X-Data-Parallel-Rank response header
     status: int | None = None
+    retry_after: str | None = None  # the Retry-After header of a refused (non-200) response
+    done: bool = False  # the stream ended with ``data: [DONE]``
     error: str = ""
     text: str = ""
     meta: dict = field(default_factory=dict)  # dataset bookkeeping (group, conversation, turn)
@@ -61,6 +63,7 @@ async def send(
             result.status = response.status_code
             result.rank = _rank(response.headers.get(RANK_HEADER))
             if response.status_code != 200:
+                result.retry_after = response.headers.get("retry-after")
                 text = (await response.aread()).decode(errors="replace")
                 result.error = f"HTTP {response.status_code}: {text[:300]}"
                 return _finish(result)
@@ -106,6 +109,7 @@ class _Chunks:
             return True  # blank separators, comments, event names
         data = line[5:].strip()
         if data == "[DONE]":
+            self.result.done = True
             self.result.text = "".join(self.parts)
             return False
         try:

@@ -36,14 +36,16 @@ ROUTERS = [
 ]
 
 
-def router_cmd(kind: str, policy: str, engine_url: str, port: int) -> list[str]:
+def router_cmd(kind: str, policy: str, engine_url: str | list[str], port: int) -> list[str]:
+    """The command line of a router on ``port`` in front of one engine URL or several."""
+    urls = [engine_url] if isinstance(engine_url, str) else list(engine_url)
     if kind == "dpmesh":
         return [
             sys.executable,
             "manage.py",
             "runrouter",
             "--worker-urls",
-            engine_url,
+            *urls,
             "--dp-aware",
             "--policy",
             policy,
@@ -59,7 +61,7 @@ def router_cmd(kind: str, policy: str, engine_url: str, port: int) -> list[str]:
         "--port",
         str(port),
         "--worker-urls",
-        engine_url,
+        *urls,
         "--dp-aware",
         "--policy",
         policy,

@@ -27,6 +27,7 @@ import itertools
 import os
 import statistics
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from bench.oracle import oracle_cached
 
@@ -271,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", default=DEFAULT_PROFILE)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument("--svg", default=None, help="write a TTFT CDF per DP size here ({dp})")
     args = parser.parse_args(argv)
     if not args.speedup and not args.max_concurrency:
         parser.error("give --speedup (open loop on the timestamps) or --max-concurrency")
@@ -292,16 +294,26 @@ def main(argv: list[str] | None = None) -> int:
               f" {'ttft mean':>9} {'p50':>7} {'p90':>7} {'p99':>7}")  # fmt: skip
     print(header)
     for dp in args.dp_size:
+        curves = []
         for policy in args.policy:
             s = run(workload.samples, policy=policy, dp_size=dp, speedup=args.speedup,
                     concurrency=args.max_concurrency, profile=args.profile,
-                    block_size=args.block_size, num_kv_blocks=args.num_kv_blocks)  # fmt: skip
+                    block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+                    keep_flights=bool(args.svg))  # fmt: skip
+            if args.svg:
+                ttft = sorted(f.first_token - f.arrival for f in s.pop("flights"))
+                curves.append({"router": policy, "ttft_sorted": ttft})
             print(
                 f"{dp:>3} {policy:<12} {s['hit_rate']:>6.3f} {s['oracle_hit_rate']:>6.3f} "
                 f"{s['of_oracle']:>6.3f} {s['max_mean']:>8.2f} {s['ttft_mean_s']:>9.3f} "
                 f"{s['ttft_p50_s']:>7.3f} {s['ttft_p90_s']:>7.3f} {s['ttft_p99_s']:>7.3f}",
                 flush=True,
             )
+        if args.svg:
+            from bench.compare_fleet import cdf_svg
+
+            title = f"TTFT CDF, routing lab, {len(workload.samples)} Mooncake requests, DP {dp}"
+            Path(args.svg.format(dp=dp)).write_text(cdf_svg(curves, title))
     return 0
 
 

@@ -32,6 +32,15 @@ logger = logging.getLogger("apps.router")
 
 DEFAULT_ROUTER_PORT = 30000
 STOP_WAIT_S = 2.0  # at shutdown, for the background loops and the cut requests to end
+# connections the kernel holds for the router before it accepts them: uvicorn's default (vLLM's
+# and SGLang's servers); Twisted's own, 50, overflowed under a burst of 1,000 streams and those
+# clients' connections were reset (docs/benchmarks.md, issue 12). The kernel caps it at somaxconn.
+LISTEN_BACKLOG = 2048
+
+
+def listen_endpoint(host: str, port: int) -> str:
+    """The Twisted endpoint string daphne listens on."""
+    return f"tcp:port={port}:interface={host}:backlog={LISTEN_BACKLOG}"
 
 
 def add_router_arguments(
@@ -292,7 +301,7 @@ def serve_router(opts: dict, on_ready=None) -> None:
     process.drain.install(loop, lambda: stop_reactor(reactor))
     Server(
         application=app,
-        endpoints=[f"tcp:port={port}:interface={host}"],
+        endpoints=[listen_endpoint(host, port)],
         signal_handlers=False,
         verbosity=0,
         application_close_timeout=5,
