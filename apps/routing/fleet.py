@@ -32,6 +32,8 @@ class WorkerView:
     block_size: int | None  # None: a foreign engine, no token digests
     tokenizer_path: str | None
     capacity_blocks: int | None
+    # sequences each rank runs at once (the engine's max_num_seqs), when discovery knows it
+    max_num_seqs: int | None = None
     healthy: bool = True
     draining: bool = False
     # changes when the engine restarts (its prefix caches are then empty)
@@ -159,6 +161,7 @@ def view_of(worker, tokenizer_path: str | None = None) -> WorkerView:
         block_size=block if path else None,
         tokenizer_path=path,
         capacity_blocks=info.get("num_kv_blocks_per_rank"),
+        max_num_seqs=_positive_int(info.get("max_num_seqs")),
         draining=worker.draining,
         instance_id=info.get("instance_id"),
         kv_events=info.get("kv_events") if ours else None,
@@ -167,6 +170,10 @@ def view_of(worker, tokenizer_path: str | None = None) -> WorkerView:
         zmq_replay=zmq_replay_endpoints(worker.url, info, worker.dp_size) if path and block else (),
         healthy=worker.health != worker.Health.UNHEALTHY,
     )
+
+
+def _positive_int(value) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def zmq_endpoints(url: str, info: dict) -> tuple[str, ...]:

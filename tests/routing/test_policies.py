@@ -398,3 +398,20 @@ def test_other_router_processes_load_counts_like_this_ones(policy):
     assert collections.Counter(policy.choose(ts, shape(40), {}).key for _ in range(20)) == {
         ts[1].key: 20
     }
+
+
+def test_a_target_with_its_seats_taken_loses_to_one_with_a_free_seat():
+    """Both engines run 2 sequences at most: a rank running 2 makes a new request wait for one to
+    end (seat_weight per request beyond the seats), so the rank running 1 wins although it
+    holds none of the prompt; with the seats unknown, the cached prefix decides."""
+    policy = cache_aware(seat_weight=2048.0)
+    full, free = targets(2)
+    for _ in range(2):
+        full.load.begin(100, 0)
+    free.load.begin(100, 0)
+    s, matched = shape(65, blocks=4), {full.key: 4}
+    assert policy.choose([full, free], s, matched) is full  # seats unknown
+    full.worker.max_num_seqs = 2  # one view for both targets (one worker)
+    home_cost, away_cost = policy.costs([full, free], s, matched)
+    assert home_cost - away_cost == pytest.approx((1 + 32) - (65 + 16 + 64) + 2048)
+    assert policy.choose([full, free], s, matched) is free
