@@ -24,7 +24,7 @@ serve: $(STAMP)
 	$(PY) manage.py serve $(SERVE_ARGS)
 
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider --durations=25 $(PYTEST_ARGS)
 
 # ruff's configuration is in pyproject.toml; CI runs this before the tests
 lint: $(STAMP)
