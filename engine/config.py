@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
 
 @dataclass
 class EngineConfig:
@@ -26,7 +28,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None  # None: the model's own limit
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = "auto"  # "auto" (the checkpoint's own dtype), "float32", "bfloat16", "float16"
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
     stats_interval: int = 100  # log [Cache Stats] every this many finished requests
     enable_prefix_caching: bool = True
@@ -47,5 +49,7 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be > 0, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < self.block_size:
             raise ValueError("max_num_batched_tokens must be at least one block")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if not self.simulate_speedup > 0:
             raise ValueError(f"simulate_speedup must be > 0, got {self.simulate_speedup}")

@@ -30,7 +30,9 @@ ATTN_IMPLEMENTATION = "dpmesh_paged"
 class PrefillSegment:
     q_start: int  # offset of this sequence's queries in the packed row
     q_len: int
-    ctx_slots: torch.Tensor  # KV slots of positions [0, start + q_len)
+    ctx_len: int  # start + q_len: the keys this segment attends to
+    blocks: torch.Tensor | None  # block ids covering [0, ctx_len); None: nothing cached, use the
+    # step's own keys
     mask: torch.Tensor | None  # [q_len, ctx] bool; None means plain causal (nothing cached)
 
 
@@ -38,12 +40,13 @@ class PrefillSegment:
 class PagedContext:
     """Per-step attention metadata, built once and read by every layer."""
 
-    kv: torch.Tensor  # [2, layers, slots, kv_heads, head_dim]
-    slot_mapping: torch.Tensor  # [T] slot of each new token
+    kv: torch.Tensor  # [2, layers, blocks, block_size, kv_heads, head_dim]
+    slot_mapping: torch.Tensor  # [T] slot (block * block_size + offset) of each new token
     prefills: list[PrefillSegment]
-    decode_index: torch.Tensor | None  # [B] query positions of single-token decodes
-    decode_slots: torch.Tensor | None  # [B, max_ctx]
-    decode_mask: torch.Tensor | None  # [B, 1, 1, max_ctx] bool, or None when all lengths match
+    decode_index: torch.Tensor | slice | None  # query positions of single-token decodes
+    decode_blocks: torch.Tensor | None  # [B * max_blocks] block ids, row-major, zero-padded
+    decode_mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size] bool, or None
+    decode_batch: int = 0  # B
 
 
 def paged_attention(
@@ -61,17 +64,24 @@ def paged_attention(
     packed step; returns [1, T, H, D] as transformers expects."""
     if paged is None:
         raise RuntimeError(f"{ATTN_IMPLEMENTATION} attention needs the engine's step context")
-    k_cache, v_cache = paged.kv[0, module.layer_idx], paged.kv[1, module.layer_idx]
+    k_blocks, v_blocks = paged.kv[0, module.layer_idx], paged.kv[1, module.layer_idx]
+    kv_heads, head_dim = k_blocks.shape[-2:]
+    k_new, v_new = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, KVH, D]
     # Write every new token first: a sequence admitted in this step may read blocks that another
     # sequence of the same step is computing (the scheduler published them already).
-    k_cache[paged.slot_mapping] = key[0].transpose(0, 1)
-    v_cache[paged.slot_mapping] = value[0].transpose(0, 1)
+    k_blocks.view(-1, kv_heads, head_dim).index_copy_(0, paged.slot_mapping, k_new)
+    v_blocks.view(-1, kv_heads, head_dim).index_copy_(0, paged.slot_mapping, v_new)
     q = query[0]  # [H, T, D]
     out = q.new_empty(q.shape[1], q.shape[0], q.shape[2])  # [T, H, D]
     for seg in paged.prefills:
-        k = k_cache[seg.ctx_slots].transpose(0, 1).unsqueeze(0)
-        v = v_cache[seg.ctx_slots].transpose(0, 1).unsqueeze(0)
         qs = q[:, seg.q_start : seg.q_start + seg.q_len].unsqueeze(0)
+        if seg.blocks is None:  # nothing cached: the keys are this step's own
+            k = key[:, :, seg.q_start : seg.q_start + seg.q_len]
+            v = value[:, :, seg.q_start : seg.q_start + seg.q_len]
+        else:  # gather whole blocks (contiguous rows), then trim to the context
+            k = k_blocks.index_select(0, seg.blocks).view(-1, kv_heads, head_dim)[: seg.ctx_len]
+            v = v_blocks.index_select(0, seg.blocks).view(-1, kv_heads, head_dim)[: seg.ctx_len]
+            k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
         o = F.scaled_dot_product_attention(
             qs,
             k,
@@ -83,8 +93,10 @@ def paged_attention(
         )
         out[seg.q_start : seg.q_start + seg.q_len] = o[0].transpose(0, 1)
     if paged.decode_index is not None:
-        k = k_cache[paged.decode_slots].transpose(1, 2)  # [B, KVH, ctx, D]
-        v = v_cache[paged.decode_slots].transpose(1, 2)
+        # [B * W blocks] -> [B, W * block_size, KVH, D] -> [B, KVH, ctx, D]
+        shape = (paged.decode_batch, -1, kv_heads, head_dim)
+        k = k_blocks.index_select(0, paged.decode_blocks).view(shape).transpose(1, 2)
+        v = v_blocks.index_select(0, paged.decode_blocks).view(shape).transpose(1, 2)
         qd = q[:, paged.decode_index].transpose(0, 1).unsqueeze(2)  # [B, H, 1, D]
         o = F.scaled_dot_product_attention(
             qd, k, v, attn_mask=paged.decode_mask, scale=scaling, enable_gqa=True
@@ -103,15 +115,17 @@ class ModelRunner:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = torch.device(config.device)
-        self.dtype = getattr(torch, config.dtype)
         self.block_size = config.block_size
         self.model = (
             AutoModelForCausalLM.from_pretrained(
-                model_path, dtype=self.dtype, attn_implementation=ATTN_IMPLEMENTATION
+                model_path,
+                dtype="auto" if config.dtype == "auto" else getattr(torch, config.dtype),
+                attn_implementation=ATTN_IMPLEMENTATION,
             )
             .to(self.device)
             .eval()
         )
+        self.dtype = self.model.dtype  # "auto" resolved: the checkpoint's own dtype
         mc = self.model.config
         self.num_layers = mc.num_hidden_layers
         self.num_kv_heads = getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads
@@ -122,7 +136,8 @@ class ModelRunner:
         shape = (
             2,
             self.num_layers,
-            self.num_kv_blocks * self.block_size,
+            self.num_kv_blocks,
+            self.block_size,
             self.num_kv_heads,
             self.head_dim,
         )
@@ -156,46 +171,52 @@ class ModelRunner:
     def kv_bytes(self) -> int:
         return self.kv.numel() * self.kv.element_size()
 
-    def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
-        bs = self.block_size
-        return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
-
     def _context(self, batch: ScheduledBatch) -> PagedContext:
+        bs = self.block_size
         slot_mapping: list[int] = []
         prefills: list[PrefillSegment] = []
         decode_pos: list[int] = []
-        decode_ctx: list[list[int]] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
         for item in batch.items:
-            seq, end = item.seq, item.start + item.num_tokens
+            table, start, end = item.seq.block_table, item.start, item.start + item.num_tokens
             q_start = len(slot_mapping)
-            slot_mapping += self._slots(seq.block_table, item.start, end)
-            ctx_slots = self._slots(seq.block_table, 0, end)
             if item.num_tokens == 1:
+                slot_mapping.append(table[start // bs] * bs + start % bs)
                 decode_pos.append(q_start)
-                decode_ctx.append(ctx_slots)
+                decode_tables.append(table[: (end + bs - 1) // bs])
+                decode_lens.append(end)
                 continue
-            mask = None
+            for b in range(start // bs, (end + bs - 1) // bs):
+                base = table[b] * bs
+                slot_mapping.extend(
+                    range(base + max(start - b * bs, 0), base + min(end - b * bs, bs))
+                )
+            mask = blocks = None
             # queries see the whole cached prefix plus a causal window of their own
-            if item.start > 0:
-                q_pos = torch.arange(item.start, end, device=self.device).unsqueeze(1)
+            if start > 0:
+                q_pos = torch.arange(start, end, device=self.device).unsqueeze(1)
                 mask = torch.arange(end, device=self.device).unsqueeze(0) <= q_pos
-            prefills.append(
-                PrefillSegment(
-                    q_start, item.num_tokens, torch.tensor(ctx_slots, device=self.device), mask
-                )
-            )
-        decode_index = decode_slots = decode_mask = None
+                blocks = torch.tensor(table[: (end + bs - 1) // bs], device=self.device)
+            prefills.append(PrefillSegment(q_start, item.num_tokens, end, blocks, mask))
+        decode_index = decode_blocks = decode_mask = None
         if decode_pos:
-            width = max(len(c) for c in decode_ctx)
-            decode_index = torch.tensor(decode_pos, device=self.device)
-            decode_slots = torch.tensor(
-                [c + [0] * (width - len(c)) for c in decode_ctx], device=self.device
+            width = max(len(t) for t in decode_tables)
+            n = len(decode_pos)
+            first = decode_pos[0]
+            contiguous = decode_pos[-1] - first == n - 1
+            decode_index = (
+                slice(first, first + n)
+                if contiguous
+                else torch.tensor(decode_pos, device=self.device)
             )
-            if any(len(c) != width for c in decode_ctx):
-                lengths = torch.tensor([len(c) for c in decode_ctx], device=self.device).unsqueeze(
-                    1
-                )
-                decode_mask = (torch.arange(width, device=self.device).unsqueeze(0) < lengths)[
+            decode_blocks = torch.tensor(
+                [b for t in decode_tables for b in (t + [0] * (width - len(t)))],
+                device=self.device,
+            )
+            if any(length != width * bs for length in decode_lens):
+                lengths = torch.tensor(decode_lens, device=self.device).unsqueeze(1)
+                decode_mask = (torch.arange(width * bs, device=self.device) < lengths)[
                     :, None, None, :
                 ]
         return PagedContext(
@@ -203,8 +224,9 @@ class ModelRunner:
             torch.tensor(slot_mapping, device=self.device),
             prefills,
             decode_index,
-            decode_slots,
+            decode_blocks,
             decode_mask,
+            len(decode_pos),
         )
 
     @torch.inference_mode()

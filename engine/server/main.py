@@ -9,6 +9,7 @@ import sys
 import threading
 import uuid
 
+from engine.config import DTYPES
 from engine.digests import SCHEME
 from engine.sim.profiles import PROFILES, get_profile
 
@@ -69,6 +70,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: the first key of CONTROL_PLANE_ADMIN_KEYS, if set)",
     )
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=list(DTYPES),
+        help="weights and KV cache dtype; auto: the checkpoint's own (the tiny model: float32)",
+    )
     parser.add_argument(
         "--threads-per-rank",
         type=int,
@@ -212,6 +219,7 @@ def engine_config(args, model_path: str):
         **_scheduler_limits(args, profile),
         max_model_len=args.max_model_len,
         device="cpu" if profile else resolve_device(args.device),
+        dtype=args.dtype,
         stats_interval=args.cache_stats_interval,
         simulate=args.simulate,
         simulate_speedup=args.simulate_speedup,
@@ -248,6 +256,11 @@ def server_info(args, client, model_path: str, dp_size: int, tp_size: int, token
         "block_size": args.block_size,
         "num_kv_blocks_per_rank": first.num_kv_blocks,
         "max_model_len": first.max_model_len,
+        # sequences a rank runs at once: a router sends no more to a rank whose seats are taken
+        # while another has one free (apps/routing/policies.py)
+        "max_num_seqs": _scheduler_limits(
+            args, get_profile(args.simulate) if args.simulate else None
+        )["max_num_seqs"],
         "dp_load_balance": args.dp_load_balance,
         "enable_prefix_caching": True,
         "prefix_digest": SCHEME,
