@@ -25,13 +25,16 @@ async def health(request):
     router = router_of(request)
     available = [t.key for t in router.fleet.candidates(None)]
     if router.fleet.loading:  # not yet the fleet and policy it will serve with
-        return JsonResponse({"status": "starting", "targets": available}, status=503)
-    if router.fleet.draining:  # shutting down: load balancers should send elsewhere
-        return JsonResponse({"status": "draining", "targets": available}, status=503)
-    status = 200 if available else 503
-    return JsonResponse(
-        {"status": "ok" if available else "unavailable", "targets": available}, status=status
-    )
+        status, state = 503, "starting"
+    elif router.fleet.draining:  # shutting down: load balancers should send elsewhere
+        status, state = 503, "draining"
+    else:
+        status, state = (200, "ok") if available else (503, "unavailable")
+    response = JsonResponse({"status": state, "targets": available}, status=status)
+    # A 503 here is the answer a load balancer polls for, not a server error: keep it out of
+    # django.request's ERROR log (the flag Django itself sets on a response it has logged).
+    response._has_been_logged = True
+    return response
 
 
 async def metrics(request):

@@ -103,6 +103,7 @@ class EngineClient:
             raise ValueError(f"--dp-load-balance must be one of {LOAD_BALANCE_POLICIES}")
         self.config, self.dp_size, self.load_balance = config, dp_size, load_balance
         self.ranks = [RankState(r) for r in range(dp_size)]
+        self.stopping = False  # shutdown() asked the ranks to stop: their exits are no deaths
         self._cursor = itertools.count()
         self._ids = itertools.count()
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -143,6 +144,7 @@ class EngineClient:
         self.loop = loop
 
     def shutdown(self) -> None:
+        self.stopping = True
         for state in self.ranks:
             try:
                 state.inbox.send(Shutdown())
@@ -235,12 +237,15 @@ class EngineClient:
             self._on_kv_events(state, [("removed", list(state.cached))])
         if state.dead_reason is None:
             state.dead_reason = reason
-            logger.error(
-                "DP rank %d died: %s; failing %d in-flight requests",
-                state.rank,
-                reason,
-                len(state.streams),
-            )
+            if self.stopping:  # asked to stop: not an error
+                logger.info("DP rank %d exited (%s) on shutdown", state.rank, reason)
+            else:
+                logger.error(
+                    "DP rank %d died: %s; failing %d in-flight requests",
+                    state.rank,
+                    reason,
+                    len(state.streams),
+                )
         for queue in state.streams.values():
             queue.put_nowait(RankFailed(f"DP rank {state.rank} died: {reason}", 503))
 
