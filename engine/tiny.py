@@ -11,9 +11,9 @@ What gets built (``TINY_MODEL_VERSION`` names it; bump it whenever the output ch
   special tokens ``<|endoftext|>`` (bos), ``<|im_start|>``, ``<|im_end|>`` (eos) and ``<|pad|>``
   and a ChatML chat template. It never adds a BOS (or anything else) on its own:
   ``tokenizer(text).input_ids == tokenizer.encode(text)`` is exactly the BPE encoding of ``text``;
-* a Llama (GQA: 8 query heads, 4 KV heads) of about 6.8 M float32 parameters whose weights are
-  seeded Gaussians drawn by this module, not by transformers' initialisers, so the bytes stay the
-  same across transformers versions. The std (0.08) is large on purpose: greedy top-1/top-2 logit
+* a Llama (GQA: 8 query heads, 4 KV heads; 32,768 positions) of about 6.8 M float32 parameters
+  whose weights are seeded Gaussians drawn by this module, not by transformers' initialisers, so
+  the bytes stay the same across transformers versions. The std (0.08) is large on purpose: greedy top-1/top-2 logit
   margins then sit far above float32 noise, so tests may compare greedy ids with
   ``model.generate`` exactly.
 
@@ -42,7 +42,10 @@ import shutil
 import tempfile
 from pathlib import Path
 
-TINY_MODEL_VERSION = "v1"
+# Long enough for multi-turn chat and trace workloads (a 6-turn chat with a 200-word system prompt
+# reached 2,159 tokens, past v1's 2,048). RoPE has no learned positions: the weights are v1's.
+MAX_POSITIONS = 32768
+TINY_MODEL_VERSION = "v2"  # v2: a 32 k context (v1: 2,048); the same weights and tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -230,7 +233,7 @@ def _build_tokenizer():
         eos_token=EOS_TOKEN,
         pad_token=PAD_TOKEN,
         extra_special_tokens=[IM_START_TOKEN],
-        model_max_length=2048,
+        model_max_length=MAX_POSITIONS,
         clean_up_tokenization_spaces=False,  # decode must not rewrite " ." and friends
     )
     tokenizer.chat_template = CHAT_TEMPLATE
@@ -247,7 +250,7 @@ def _build_config(tokenizer):
         num_attention_heads=8,
         num_key_value_heads=4,  # GQA on purpose, so the engine's KV layout is exercised
         intermediate_size=768,
-        max_position_embeddings=2048,
+        max_position_embeddings=MAX_POSITIONS,
         rope_theta=10000.0,
         rms_norm_eps=1e-5,
         tie_word_embeddings=False,

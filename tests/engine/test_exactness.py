@@ -110,3 +110,17 @@ def test_preempted_and_resumed(reference):
     for prompt, out in zip(prompts, outs, strict=True):
         assert_same(out, reference(prompt, max_tokens))
     engine.block_manager.check_integrity([])
+
+
+def test_past_the_old_2048_token_context(reference):
+    """The tiny model has 32 k positions (v2): a 3,000-token prompt, prefilled in chunks and then
+    continued from the prefix cache, decodes as transformers does."""
+    rng = random.Random(11)
+    engine = make_engine(num_kv_blocks=512, max_num_batched_tokens=512)
+    assert engine.max_model_len == 32768
+    long = random_prompt(rng, 3000)
+    assert_same(engine.generate([long], GREEDY)[0], reference(long))
+    longer = long + random_prompt(rng, 40)
+    out = engine.generate([longer], GREEDY)[0]
+    assert_same(out, reference(longer))
+    assert out["num_cached_tokens"] >= 2992  # the first prompt's full blocks

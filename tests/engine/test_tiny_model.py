@@ -70,7 +70,7 @@ def test_config(built):
     assert cfg["vocab_size"] == 4096
     assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["intermediate_size"]) == (256, 6, 768)
     assert (cfg["num_attention_heads"], cfg["num_key_value_heads"]) == (8, 4)
-    assert cfg["max_position_embeddings"] == 2048
+    assert cfg["max_position_embeddings"] == 32768
     assert cfg["tie_word_embeddings"] is False
     assert (cfg["bos_token_id"], cfg["eos_token_id"], cfg["pad_token_id"]) == (0, 2, 3)
     gen = json.loads((built / "generation_config.json").read_text())
