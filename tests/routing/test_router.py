@@ -305,3 +305,27 @@ def test_index_entries_are_in_each_targets_own_block_size(tiny_path):
     assert router.index.match(chain_digests(ids, 4), ["http://w2@0"]) == {
         "http://w2@0": len(ids) // 4
     }
+
+
+def test_the_router_counts_each_shared_prefix_share_of_the_traffic(tiny_path):
+    """Requests that branch off one 10-block prefix: from the second on, the router counts them
+    against that prefix (its last block's digest) and hands the policy its share; a request with
+    no shared prefix counts only in the total."""
+    router = make_router(tiny_path)
+    head = [(7 * i) % 4000 + 5 for i in range(160)]
+    seen = []
+    original = router.policy.choose
+
+    def choose(targets, shape, matched, shared_blocks=0):
+        seen.append(shape.prefix_share)
+        return original(targets, shape, matched, shared_blocks)
+
+    router.policy.choose = choose
+    for n in range(4):
+        body = {"prompt": head + [(13 * i + n) % 4000 + 5 for i in range(40 + n)]}
+        router.route(body, False, None).finish(ok=True)
+    assert seen[0] is None  # the first has nothing shared yet (one chain)
+    assert seen[1:] == pytest.approx([1 / 2, 2 / 3, 3 / 4], rel=1e-3)
+    prefix = chain_digests(head, 16)[-1]
+    router.route({"prompt": list(range(3000, 3100))}, False, None).finish(ok=True)
+    assert router.demand.share(prefix) == pytest.approx(3 / 5, rel=1e-3)
