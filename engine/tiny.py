@@ -13,9 +13,9 @@ What gets built (``TINY_MODEL_VERSION`` names it; bump it whenever the output ch
   ``tokenizer(text).input_ids == tokenizer.encode(text)`` is exactly the BPE encoding of ``text``;
 * a Llama (GQA: 8 query heads, 4 KV heads; 32,768 positions) of about 6.8 M float32 parameters
   whose weights are seeded Gaussians drawn by this module, not by transformers' initialisers, so
-  the bytes stay the same across transformers versions. The std (0.08) is large on purpose: greedy top-1/top-2 logit
-  margins then sit far above float32 noise, so tests may compare greedy ids with
-  ``model.generate`` exactly.
+  the bytes stay the same across transformers versions. The std (0.08) is large on purpose:
+  greedy top-1/top-2 logit margins then sit far above float32 noise, so tests may compare greedy
+  ids with ``model.generate`` exactly.
 
 The build is deterministic (same inputs -> byte-identical ``model.safetensors`` and
 ``tokenizer.json``) and safe under concurrency: one process builds under an ``fcntl`` lock into a
