@@ -526,6 +526,9 @@ class StreamReader(threading.Thread):
         self.body = body_for(
             "tiny", chat=False, stream=True, max_tokens=1500, prompt=f"stream {i} goes on and on"
         )
+        # never an early end-of-text: a stream on the spare must still be running when it is
+        # killed (greedy output for some prompts stops within a few hundred tokens)
+        self.body["ignore_eos"] = True
         self.target, self.events, self.error = None, [], None
         self.started = threading.Event()
 
