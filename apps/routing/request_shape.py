@@ -142,9 +142,12 @@ async def tokenize_off_loop(body: dict, chat: bool, tokenizer_paths) -> dict[str
     """The prompt's token ids for each of ``tokenizer_paths``, computed in worker threads when the
     prompt is long text (the tokenizer releases the GIL: the event loop keeps relaying streams
     meanwhile, and a router on several cores tokenizes on them), else {} (``shape_request``
-    tokenizes inline). For ``shape_request``'s ``known_ids``."""
+    tokenizes inline). For ``shape_request``'s ``known_ids``. ``tokenizer_paths`` may be a
+    function giving them: only a long prompt then pays for looking them up."""
     if prompt_text_chars(body, chat) < OFF_LOOP_CHARS:
         return {}
+    if callable(tokenizer_paths):
+        tokenizer_paths = tokenizer_paths()
     out = {}
     for path in tokenizer_paths:
         tokenizer = tokenizer_or_none(path)

@@ -94,7 +94,7 @@ async def proxy_request(
     tried: set[str] = set()
     last: ProxyError | None = None
     # a long text prompt is tokenized once, in worker threads, for every attempt
-    ids = await tokenize_off_loop(body, chat, router.tokenizer_paths(model))
+    ids = await tokenize_off_loop(body, chat, lambda: router.tokenizer_paths(model))
     for attempt in range(router.config.max_retries + 1):
         try:
             dispatch = router.route(

@@ -10,6 +10,7 @@ and "in flight" mean is the server's: ``begin`` and ``in_flight``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import time
@@ -22,10 +23,8 @@ def stop_reactor(reactor) -> None:
     """Stop the Twisted reactor unless it is stopping already (a drain's ``stop``)."""
     from twisted.internet.error import ReactorNotRunning
 
-    try:
+    with contextlib.suppress(ReactorNotRunning):
         reactor.stop()
-    except ReactorNotRunning:
-        pass
 
 
 def close_loop(loop: asyncio.AbstractEventLoop, wait_s: float = 1.0) -> None:
