@@ -13,9 +13,15 @@ A request is admitted (``Admission.acquire`` returns a ``Slot``) when
   ``--saturation-kv-usage``. Both 0: the rule is off.
 
 Otherwise it waits in one queue, the lowest ``X-Priority`` first (vLLM's order), then by arrival.
-When ``--queue-size`` requests are waiting already, or the wait passes ``--queue-timeout-secs``,
-it is ``Rejected``: 429 with ``Retry-After``, in OpenAI's rate-limit shape. While the process
-drains (apps/routing/drain.py) every waiting and every new request is rejected with a 503.
+When ``--queue-size`` requests are waiting already, or it could no longer have its first token
+within ``--queue-timeout-secs`` of its arrival, it is ``Rejected``: 429 with ``Retry-After``, in
+OpenAI's rate-limit shape. "Could no longer": its wait so far plus the time the engines took
+lately from dispatch to first token (the longest of the last ``FIRST_TOKEN_WINDOW`` streamed
+requests': a non-streamed one's first token is not seen; at most half the timeout; 0 before any)
+is past the timeout. So a request that had to wait gets its first
+token within the timeout, not the timeout plus a prefill: the timeout bounds the TTFT of what is
+admitted, and a client that would miss it hears so early. While the process drains
+(apps/routing/drain.py) every waiting and every new request is rejected with a 503.
 
 Waiters are woken when a slot is released, when a dispatched request's prefill ends (its tokens
 leave the targets' queues: this is a ``DispatchObserver``), and, while the fleet stays saturated,
@@ -37,6 +43,7 @@ import heapq
 import itertools
 import math
 import time
+from collections import deque
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
@@ -49,6 +56,7 @@ SATURATION_POLL_S = 0.05
 REASONS = ("queue_full", "timeout", "draining")
 DRAIN_RETRY_AFTER_S = 1  # the process is going away: retry soon (a load balancer: elsewhere)
 HOLD_EWMA = 0.2  # weight of the newest slot hold time in the estimate behind Retry-After
+FIRST_TOKEN_WINDOW = 64  # recent dispatch-to-first-token times a waiter's deadline allows for
 
 
 class Rejected(Exception):
@@ -86,10 +94,11 @@ class Slot:
 
 
 class _Waiter:
-    __slots__ = ("arrived", "future", "queued")
+    __slots__ = ("arrived", "future", "queued", "timer")
 
     def __init__(self, arrived: float, future: asyncio.Future):
         self.arrived, self.future, self.queued = arrived, future, True
+        self.timer: asyncio.TimerHandle | None = None
 
 
 def target_saturated(target, queued_prefill_tokens: int, kv_usage: float) -> bool:
@@ -140,6 +149,7 @@ class Admission(DispatchObserver):
         self._heap: list[tuple[int, int, _Waiter]] = []  # (priority, arrival order, waiter)
         self._order = itertools.count()
         self._hold_s: float | None = None  # how long a slot is held, on average lately
+        self._first_token_s: deque[float] = deque(maxlen=FIRST_TOKEN_WINDOW)
         self._kick_pending = self._poll_pending = False
 
     @classmethod
@@ -185,7 +195,7 @@ class Admission(DispatchObserver):
         waiter = _Waiter(self.clock(), loop.create_future())
         heapq.heappush(self._heap, (priority, next(self._order), waiter))
         self.waiting += 1
-        timer = loop.call_later(self.queue_timeout_s, self._expire, waiter)
+        self._arm(waiter)
         self._kick()
         try:
             return await waiter.future
@@ -196,7 +206,8 @@ class Admission(DispatchObserver):
             self._leave(waiter)
             raise
         finally:
-            timer.cancel()
+            if waiter.timer is not None:
+                waiter.timer.cancel()
 
     def _grant(self, waited_s: float) -> Slot:
         self.in_flight += 1
@@ -218,16 +229,39 @@ class Admission(DispatchObserver):
             self.waiting -= 1
             self._compact()
 
+    def expected_first_token_s(self) -> float:
+        """What a request admitted now should allow for until its first token: the longest of
+        the last ``FIRST_TOKEN_WINDOW`` dispatch-to-first-token times, at most half the queue
+        timeout (a spike must not close the queue); 0 before any."""
+        if not self._first_token_s:
+            return 0.0
+        return min(max(self._first_token_s), self.queue_timeout_s / 2)
+
+    def _deadline(self, waiter: _Waiter) -> float:
+        """The last moment ``waiter`` can be admitted and still see its first token in time."""
+        return waiter.arrived + self.queue_timeout_s - self.expected_first_token_s()
+
+    def _arm(self, waiter: _Waiter) -> None:
+        delay = max(0.0, self._deadline(waiter) - self.clock())
+        waiter.timer = asyncio.get_running_loop().call_later(delay, self._expire, waiter)
+
     def _expire(self, waiter: _Waiter) -> None:
-        if waiter.queued and not waiter.future.done():
-            self._leave(waiter)
-            waiter.future.set_exception(
-                self._reject(
-                    "timeout",
-                    f"the request waited {self.queue_timeout_s:g} s for admission without its "
-                    "turn coming (the engines are busy); retry later",
-                )
+        if not waiter.queued or waiter.future.done():
+            return
+        if self._deadline(waiter) - self.clock() > 1e-3:  # the estimate fell: it may wait on
+            self._arm(waiter)
+            return
+        self._leave(waiter)
+        waited = self.clock() - waiter.arrived
+        waiter.future.set_exception(
+            self._reject(
+                "timeout",
+                f"the request waited {waited:.3g} s for admission; with the engines' recent time "
+                f"to a first token ({self.expected_first_token_s():.3g} s) it could not start "
+                f"within the queue timeout ({self.queue_timeout_s:g} s): the engines are busy; "
+                "retry later",
             )
+        )
 
     # ----- the queue's side -----------------------------------------------------------------------
     def _slot_free(self) -> bool:
@@ -249,6 +283,10 @@ class Admission(DispatchObserver):
             return  # a release kicks again
         if self._fleet_saturated():
             self._poll_later()
+            return
+        if self.clock() >= self._deadline(waiter):  # too late to start in time (the estimate rose)
+            self._expire(waiter)
+            self._kick()
             return
         heapq.heappop(self._heap)
         self._leave(waiter)
@@ -335,6 +373,9 @@ class Admission(DispatchObserver):
         if self.waiting and self.saturated is not None:  # its queued prefill just went down
             self._kick()
 
+    def first_token(self, key: str, seconds: float) -> None:
+        self._first_token_s.append(seconds)
+
     def metric_families(self):
         yield GaugeMetricFamily(
             f"{PREFIX}_queue_depth",
@@ -352,6 +393,12 @@ class Admission(DispatchObserver):
         )
         wait.add_metric([], self.wait_time.cumulative(), sum_value=self.wait_time.sum)
         yield wait
+        yield GaugeMetricFamily(
+            f"{PREFIX}_expected_first_token_seconds",
+            "What a queued request must leave for its first token before --queue-timeout-secs "
+            "(the longest recent dispatch-to-first-token time, at most half the timeout)",
+            value=self.expected_first_token_s(),
+        )
         rejected = CounterMetricFamily(
             f"{PREFIX}_rejected_requests",
             "Requests refused admission: queue_full and timeout (429), draining (503)",

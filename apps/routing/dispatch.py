@@ -38,6 +38,9 @@ class DispatchObserver(abc.ABC):
     def prefilled(self, key: str, digests: list[int]) -> None:  # noqa: B027 (optional hook)
         """That request's prompt is computed (first token) or abandoned (it ended first)."""
 
+    def first_token(self, key: str, seconds: float) -> None:  # noqa: B027 (optional hook)
+        """That request's first token came ``seconds`` after it was sent to target ``key``."""
+
     def metric_families(self):
         """Prometheus metric families about this observer, for the router's /metrics."""
         return ()
@@ -85,7 +88,10 @@ class Dispatch:
             return
         self.target.load.first_token(self.ticket)
         self._tell_prefilled()
-        self._stats.ttft.observe(time.perf_counter() - self.started)
+        seconds = time.perf_counter() - self.started
+        self._stats.ttft.observe(seconds)
+        for observer in self._observers:
+            observer.first_token(self.target.key, seconds)
 
     def finish(self, *, ok: bool, usage: dict | None = None, aborted: bool = False) -> None:
         """End the request (idempotent). ``usage``: the engine's, for its cached tokens;

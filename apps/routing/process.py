@@ -148,7 +148,8 @@ def add_admission_arguments(parser: argparse.ArgumentParser) -> None:
         "--queue-timeout-secs",
         type=float,
         default=None,
-        help="how long a request may wait for admission before a 429 (default 60)",
+        help="a queued request's deadline for its first token: a 429 once its wait plus the "
+        "engines' recent time to a first token would pass it (default 60)",
     )
     parser.add_argument(
         "--saturation-queued-prefill-tokens",

@@ -133,6 +133,43 @@ async def test_a_wait_past_the_timeout_is_rejected_and_leaves_the_queue():
     admission.check_integrity()
 
 
+async def test_a_waiter_is_refused_when_its_first_token_could_not_come_within_the_timeout():
+    """The timeout bounds an admitted request's TTFT: the wait plus the engines' recent time to a
+    first token (the longest of the last ones, at most half the timeout) must fit in it."""
+    admission = Admission(max_concurrent=1, queue_size=4, queue_timeout_s=0.6)
+    assert admission.expected_first_token_s() == 0.0
+    admission.first_token("w#0", 0.1)
+    admission.first_token("w#0", 0.25)
+    admission.first_token("w#0", 0.2)
+    assert admission.expected_first_token_s() == 0.25
+    holder = await admission.acquire()
+    started = time.monotonic()
+    with pytest.raises(Rejected) as caught:
+        await admission.acquire()
+    waited = time.monotonic() - started
+    assert 0.3 <= waited < 0.5, waited  # 0.6 - 0.25, not the whole 0.6
+    assert caught.value.reason == "timeout" and "0.25 s" in str(caught.value)
+    admission.first_token("w#0", 9.0)
+    assert admission.expected_first_token_s() == 0.3  # a spike counts for half the timeout at most
+    holder.release()
+    admission.check_integrity()
+
+
+async def test_a_waiter_whose_deadline_passed_while_it_waited_is_refused_not_admitted():
+    admission = Admission(max_concurrent=1, queue_size=4, queue_timeout_s=1.0)
+    holder = await admission.acquire()
+    late = asyncio.ensure_future(admission.acquire())  # armed for 1 s: nothing known yet
+    await asyncio.sleep(0.05)
+    admission.first_token("w#0", 0.5)  # now it may start until 0.5 s after its arrival
+    await asyncio.sleep(0.55)
+    holder.release()  # the slot frees after that: the waiter is refused, not granted
+    with pytest.raises(Rejected) as caught:
+        await late
+    assert caught.value.reason == "timeout"
+    assert (admission.in_flight, admission.waiting, admission.rejected["timeout"]) == (0, 0, 1)
+    admission.check_integrity()
+
+
 async def test_a_waiter_cancelled_in_the_queue_leaves_nothing_behind():
     admission = Admission(max_concurrent=1, queue_size=4, queue_timeout_s=5)
     holder = await admission.acquire()
@@ -408,5 +445,7 @@ async def test_a_saturated_fleet_holds_the_next_request_until_the_first_token(st
     assert sse_events(first.text)[-1] == sse_events(second.text)[-1] == "[DONE]"
     admission = Admission.for_router(router)
     assert admission.wait_time.count == 2 and admission.wait_time.sum >= 0.4
+    # each stream's 0.5 s to its first token: what a queued request must now leave for it
+    assert 0.45 <= admission.expected_first_token_s() <= 2.5, admission.expected_first_token_s()
     assert all(t.load.idle for t in router.fleet.all_targets())
     admission.check_integrity()
