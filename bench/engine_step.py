@@ -9,8 +9,10 @@ which a busy shared host disturbs far less than wall time. ``--profile`` runs cP
 measured part and prints the top functions.
 
 The first ``--warmup`` requests are run (and not measured) before the measured ones, so the
-allocator and torch's kernels are warm. Prompts never share a prefix (random ids), so nothing
-hits the prefix cache.
+allocator and torch's kernels are warm. Prompts are random ids; with ``--shared-prefixes N
+--prefix-len L`` each starts with one of N fixed prefixes of L ids (round robin), the shape of
+``bench``'s prefix_repetition workload, so decode steps attend to cached shared blocks.
+``--torch-profile`` prints torch's operator table for the measured part.
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=1, help="measured runs (fresh prompts each)")
     p.add_argument("--profile", action="store_true", help="cProfile the measured run(s)")
+    p.add_argument("--torch-profile", action="store_true", help="torch.profiler op table")
+    p.add_argument("--shared-prefixes", type=int, default=0, help="prefixes the prompts share")
+    p.add_argument("--prefix-len", type=int, default=512, help="ids in each shared prefix")
     return p
 
 
@@ -111,10 +116,15 @@ def main(argv=None) -> None:
     engine = make_engine(args)
     rng = random.Random(args.seed)
 
+    def ids(n):
+        return [rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(n)]
+
+    shared = [ids(args.prefix_len) for _ in range(args.shared_prefixes)]
+
     def prompts(n):
-        return [
-            [rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(args.input_len)] for _ in range(n)
-        ]
+        if not shared:
+            return [ids(args.input_len) for _ in range(n)]
+        return [shared[i % len(shared)] + ids(args.input_len) for i in range(n)]
 
     print(
         f"model={args.model} dtype={engine.config.dtype} threads={torch.get_num_threads()} "
@@ -129,6 +139,12 @@ def main(argv=None) -> None:
 
         prof = cProfile.Profile()
         prof.enable()
+    tprof = None
+    if args.torch_profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        tprof = profile(activities=[ProfilerActivity.CPU])
+        tprof.__enter__()
     for _ in range(args.repeats):
         r = run(engine, prompts(args.num_prompts), args.concurrency, args.output_len)
         print(
@@ -138,6 +154,9 @@ def main(argv=None) -> None:
             f"output tok/s {r['output_tok_per_s']:.0f}  |  CPU ms: decode step p50 "
             f"{r['decode_cpu_ms_p50']:.2f}, prefill-carrying step mean {r['mixed_cpu_ms_mean']:.2f}"
         )
+    if tprof is not None:
+        tprof.__exit__(None, None, None)
+        print(tprof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
     if prof is not None:
         import pstats
 
