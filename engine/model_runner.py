@@ -6,6 +6,12 @@ with ``attn_implementation="dpmesh_paged"``: an attention function registered in
 only attention is ours. It writes the step's new keys and values into the paged pool and attends
 each query to its sequence's cached blocks, so a cached prefix is never recomputed: the forward
 pass covers just the uncached tokens of every scheduled sequence, packed into one row.
+
+Decodes that share a cached prefix (the same leading block ids: a system prompt, a few-shot
+preamble) attend to it once, together (cascade attention): on the CPU each group's queries meet
+its shared blocks in one kernel call, each sequence's own blocks in the batch's call, and the two
+partial results are merged by their log-sum-exps. The shared blocks are gathered once per group
+instead of once per member (``CASCADE_MIN_BLOCKS``).
 """
 
 from __future__ import annotations
@@ -24,6 +30,11 @@ from engine.scheduler import ScheduledBatch
 logger = logging.getLogger(__name__)
 
 ATTN_IMPLEMENTATION = "dpmesh_paged"
+# Decodes whose block tables start with the same this-many blocks or more (and at least two of
+# them) attend to those blocks as one group. Below it the extra kernel calls cost more than the
+# gather they save.
+CASCADE_MIN_BLOCKS = 4
+_flash_with_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # (out, logsumexp)
 
 
 @dataclass
@@ -37,16 +48,29 @@ class PrefillSegment:
 
 
 @dataclass
+class CascadeGroup:
+    """Decode rows (their order among the step's decodes) whose tables share ``blocks``."""
+
+    members: torch.Tensor  # [n] decode row indices
+    blocks: torch.Tensor  # [P] the shared leading block ids
+
+
+@dataclass
 class PagedContext:
     """Per-step attention metadata, built once and read by every layer."""
 
-    kv: torch.Tensor  # [2, layers, blocks, block_size, kv_heads, head_dim]
+    kv: torch.Tensor  # [2, layers, kv_heads, blocks, block_size, head_dim]: head-major (below)
     slot_mapping: torch.Tensor  # [T] slot (block * block_size + offset) of each new token
     prefills: list[PrefillSegment]
     decode_index: torch.Tensor | slice | None  # query positions of single-token decodes
     decode_blocks: torch.Tensor | None  # [B * max_blocks] block ids, row-major, zero-padded
-    decode_mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size] bool, or None
+    # (with ``cascade``: each row's blocks after its group's shared ones)
+    decode_mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size] bool (with
+    # ``cascade``: additive, in the model's dtype), or None: every row fills its blocks
     decode_batch: int = 0  # B
+    # shared-prefix groups of the decodes (maybe none) on the CPU; None elsewhere (the kernel
+    # that returns log-sum-exps is the CPU's: other devices take SDPA over whole tables)
+    cascade: list[CascadeGroup] | None = None
 
 
 def paged_attention(
@@ -65,12 +89,11 @@ def paged_attention(
     if paged is None:
         raise RuntimeError(f"{ATTN_IMPLEMENTATION} attention needs the engine's step context")
     k_blocks, v_blocks = paged.kv[0, module.layer_idx], paged.kv[1, module.layer_idx]
-    kv_heads, head_dim = k_blocks.shape[-2:]
-    k_new, v_new = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, KVH, D]
+    kv_heads, _, _, head_dim = k_blocks.shape  # [KVH, blocks, block_size, D]
     # Write every new token first: a sequence admitted in this step may read blocks that another
     # sequence of the same step is computing (the scheduler published them already).
-    k_blocks.view(-1, kv_heads, head_dim).index_copy_(0, paged.slot_mapping, k_new)
-    v_blocks.view(-1, kv_heads, head_dim).index_copy_(0, paged.slot_mapping, v_new)
+    k_blocks.view(kv_heads, -1, head_dim).index_copy_(1, paged.slot_mapping, key[0])
+    v_blocks.view(kv_heads, -1, head_dim).index_copy_(1, paged.slot_mapping, value[0])
     q = query[0]  # [H, T, D]
     out = q.new_empty(q.shape[1], q.shape[0], q.shape[2])  # [T, H, D]
     for seg in paged.prefills:
@@ -78,10 +101,10 @@ def paged_attention(
         if seg.blocks is None:  # nothing cached: the keys are this step's own
             k = key[:, :, seg.q_start : seg.q_start + seg.q_len]
             v = value[:, :, seg.q_start : seg.q_start + seg.q_len]
-        else:  # gather whole blocks (contiguous rows), then trim to the context
-            k = k_blocks.index_select(0, seg.blocks).view(-1, kv_heads, head_dim)[: seg.ctx_len]
-            v = v_blocks.index_select(0, seg.blocks).view(-1, kv_heads, head_dim)[: seg.ctx_len]
-            k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+        else:  # gather whole blocks (per head, contiguous rows), then trim to the context
+            k = k_blocks.index_select(1, seg.blocks).view(kv_heads, -1, head_dim)
+            v = v_blocks.index_select(1, seg.blocks).view(kv_heads, -1, head_dim)
+            k, v = k[None, :, : seg.ctx_len], v[None, :, : seg.ctx_len]
         o = F.scaled_dot_product_attention(
             qs,
             k,
@@ -92,17 +115,74 @@ def paged_attention(
             enable_gqa=True,
         )
         out[seg.q_start : seg.q_start + seg.q_len] = o[0].transpose(0, 1)
-    if paged.decode_index is not None:
-        # [B * W blocks] -> [B, W * block_size, KVH, D] -> [B, KVH, ctx, D]
-        shape = (paged.decode_batch, -1, kv_heads, head_dim)
-        k = k_blocks.index_select(0, paged.decode_blocks).view(shape).transpose(1, 2)
-        v = v_blocks.index_select(0, paged.decode_blocks).view(shape).transpose(1, 2)
+    if paged.decode_index is not None and paged.cascade is not None:
+        out[paged.decode_index] = _cascade_decode(q, k_blocks, v_blocks, paged, scaling)
+    elif paged.decode_index is not None:
+        # [KVH, B * W blocks, block_size, D] -> [KVH, B, W * block_size, D] -> [B, KVH, ctx, D]:
+        # each (sequence, head)'s keys one contiguous [ctx, D] slab, as the attention kernel
+        # reads them (the pool's head-major layout is for this; token-major, the same gather
+        # took 2.5x as long and left the kernel strided rows)
+        shape = (kv_heads, paged.decode_batch, -1, head_dim)
+        k = k_blocks.index_select(1, paged.decode_blocks).view(shape).transpose(0, 1)
+        v = v_blocks.index_select(1, paged.decode_blocks).view(shape).transpose(0, 1)
         qd = q[:, paged.decode_index].transpose(0, 1).unsqueeze(2)  # [B, H, 1, D]
         o = F.scaled_dot_product_attention(
             qd, k, v, attn_mask=paged.decode_mask, scale=scaling, enable_gqa=True
         )
         out[paged.decode_index] = o[:, :, 0]
     return out.unsqueeze(0), None
+
+
+def _cascade_decode(q, k_blocks, v_blocks, paged: PagedContext, scaling) -> torch.Tensor:
+    """Single-token decodes with shared-prefix groups; returns [B, H, D]. Query heads are folded
+    into the query length per KV head ([B, KVH, H / KVH, D]: one token's heads that read the same
+    keys), so GQA needs no copy of the keys; head h reads KV head h // (H / KVH), as
+    transformers' ``repeat_kv`` has it."""
+    kv_heads, _, _, head_dim = k_blocks.shape
+    batch = paged.decode_batch
+    heads = q.shape[0]
+    group = heads // kv_heads
+    qd = q[:, paged.decode_index].transpose(0, 1).reshape(batch, kv_heads, group, head_dim)
+    shape = (kv_heads, batch, -1, head_dim)
+    k = k_blocks.index_select(1, paged.decode_blocks).view(shape).transpose(0, 1)
+    v = v_blocks.index_select(1, paged.decode_blocks).view(shape).transpose(0, 1)
+    out, lse = _flash_with_lse(qd, k, v, attn_mask=paged.decode_mask, scale=scaling)
+    for cg in paged.cascade:
+        n = cg.members.numel()
+        ks = k_blocks.index_select(1, cg.blocks).view(1, kv_heads, -1, head_dim)
+        vs = v_blocks.index_select(1, cg.blocks).view(1, kv_heads, -1, head_dim)
+        qg = qd.index_select(0, cg.members).transpose(0, 1).reshape(1, kv_heads, n * group, -1)
+        shared, shared_lse = _flash_with_lse(qg, ks, vs, scale=scaling)
+        shared = shared.view(kv_heads, n, group, head_dim).transpose(0, 1).float()
+        shared_lse = shared_lse.view(kv_heads, n, group).transpose(0, 1)
+        own, own_lse = out.index_select(0, cg.members).float(), lse.index_select(0, cg.members)
+        top = torch.maximum(own_lse, shared_lse)
+        w_own = torch.exp(own_lse - top).unsqueeze(-1)
+        w_shared = torch.exp(shared_lse - top).unsqueeze(-1)
+        merged = (own * w_own + shared * w_shared) / (w_own + w_shared)
+        out.index_copy_(0, cg.members, merged.to(out.dtype))
+    return out.reshape(batch, heads, head_dim)
+
+
+def cascade_groups(tables: list[list[int]], lengths: list[int], block_size: int):
+    """Group decode rows by the leading blocks their tables share: ``[(rows, shared block
+    count)]`` for groups of two or more sharing at least ``CASCADE_MIN_BLOCKS`` blocks. A row's
+    last block (the one its new token goes to) is never shared: the count stops before it."""
+    by_first: dict[int, list[int]] = {}
+    for row, table in enumerate(tables):
+        by_first.setdefault(table[0], []).append(row)
+    groups = []
+    for rows in by_first.values():
+        if len(rows) < 2:
+            continue
+        limit = min((lengths[r] - 1) // block_size for r in rows)
+        first = tables[rows[0]]
+        shared = 0
+        while shared < limit and all(tables[r][shared] == first[shared] for r in rows):
+            shared += 1
+        if shared >= CASCADE_MIN_BLOCKS:
+            groups.append((rows, shared))
+    return groups
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)
@@ -136,13 +216,14 @@ class ModelRunner:
         shape = (
             2,
             self.num_layers,
+            self.num_kv_heads,
             self.num_kv_blocks,
             self.block_size,
-            self.num_kv_heads,
             self.head_dim,
         )
         self.kv = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.generator = torch.Generator(device="cpu").manual_seed(config.seed)
+        self.cascade_steps = 0  # steps whose decodes attended to a shared prefix as a group
         logger.info(
             "KV pool: %d blocks x %d tokens, %.1f MiB",
             self.num_kv_blocks,
@@ -199,7 +280,23 @@ class ModelRunner:
                 mask = torch.arange(end, device=self.device).unsqueeze(0) <= q_pos
                 blocks = torch.tensor(table[: (end + bs - 1) // bs], device=self.device)
             prefills.append(PrefillSegment(q_start, item.num_tokens, end, blocks, mask))
-        decode_index = decode_blocks = decode_mask = None
+        decode_index = decode_blocks = decode_mask = cascade = None
+        if decode_pos and self.device.type == "cpu":
+            cascade = []
+            groups = cascade_groups(decode_tables, decode_lens, bs) if len(decode_pos) > 1 else []
+            if groups:
+                self.cascade_steps += 1
+                for rows, shared in groups:
+                    blocks = decode_tables[rows[0]][:shared]
+                    cascade.append(
+                        CascadeGroup(
+                            torch.tensor(rows, device=self.device),
+                            torch.tensor(blocks, device=self.device),
+                        )
+                    )
+                    for r in rows:
+                        decode_tables[r] = decode_tables[r][shared:]
+                        decode_lens[r] -= shared * bs
         if decode_pos:
             width = max(len(t) for t in decode_tables)
             n = len(decode_pos)
@@ -219,6 +316,10 @@ class ModelRunner:
                 decode_mask = (torch.arange(width * bs, device=self.device) < lengths)[
                     :, None, None, :
                 ]
+                if cascade is not None:  # the kernel with log-sum-exps takes additive masks
+                    decode_mask = torch.zeros(
+                        decode_mask.shape, dtype=self.dtype, device=self.device
+                    ).masked_fill_(~decode_mask, float("-inf"))
         return PagedContext(
             self.kv,
             torch.tensor(slot_mapping, device=self.device),
@@ -227,6 +328,7 @@ class ModelRunner:
             decode_blocks,
             decode_mask,
             len(decode_pos),
+            cascade,
         )
 
     @torch.inference_mode()

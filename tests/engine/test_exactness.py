@@ -90,6 +90,41 @@ def test_prefix_cache_hits(reference):
     assert_same(again, reference(first[:160]))
 
 
+def test_decodes_sharing_a_prefix_attend_to_it_as_a_group(reference):
+    """Cascade attention: decodes whose tables start with the same blocks read them once, in one
+    kernel call per group, merged with each row's own blocks by log-sum-exp; same tokens."""
+    rng = random.Random(5)
+    system, preamble = random_prompt(rng, 200), random_prompt(rng, 90)
+    engine = make_engine()
+    warm = [system + random_prompt(rng, 3), preamble + random_prompt(rng, 3)]
+    engine.generate(warm, GREEDY)  # both prefixes cached
+    prompts = [system + random_prompt(rng, n) for n in (1, 9, 33, 70)]
+    prompts += [preamble + random_prompt(rng, n) for n in (5, 40)] + [random_prompt(rng, 120)]
+    before = engine.runner.cascade_steps
+    outs = engine.generate(prompts, GREEDY)
+    assert engine.runner.cascade_steps - before >= MAX_TOKENS - 2  # nearly every decode step
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert_same(out, reference(prompt))
+    engine.block_manager.check_integrity([])
+
+
+def test_cascade_groups_share_only_whole_leading_blocks():
+    from engine.model_runner import CASCADE_MIN_BLOCKS, cascade_groups
+
+    shared = list(range(100, 100 + CASCADE_MIN_BLOCKS + 2))
+    tables = [shared + [1], shared + [2, 3], shared[:2] + [4] * 8, [7] * 9, shared[:-1]]
+    lengths = [16 * len(t) for t in tables]
+    lengths[4] = 16 * (len(shared) - 2) + 1  # its last block holds the token being decoded
+    groups = cascade_groups(tables, lengths, 16)
+    # rows 0, 1, 2, 4 start alike, but row 2 leaves after 2 blocks: the four share 2 (< min),
+    # so no group; without row 2 ...
+    assert groups == []
+    del tables[2], lengths[2]
+    groups = cascade_groups(tables, lengths, 16)
+    # rows 0, 1, 3 (the old 4): row 3's last block is excluded, so they share len(shared) - 2
+    assert groups == [([0, 1, 3], len(shared) - 2)]
+
+
 def test_chunked_prefill(reference):
     rng = random.Random(3)
     prompts = [random_prompt(rng, n) for n in (300, 150, 77)]
