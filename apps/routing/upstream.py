@@ -36,6 +36,7 @@ from apps.routing.router import NoTarget, Router
 from controlplane import http
 from controlplane.errors import error_bytes
 from engine.server.asgi import SSE_HEADERS, end_body, send_body, send_chunk
+from engine.server.openai_api import PRETOKENIZED
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +107,8 @@ async def proxy_request(
             return
         tried.add(dispatch.target.key)
         last_try = attempt == router.config.max_retries
-        retry = await _attempt(router, dispatch, body, path, send, last_try=last_try)
+        given = None if chat else _ids_for(router, dispatch.target, ids)
+        retry = await _attempt(router, dispatch, body, path, send, last_try=last_try, ids=given)
         if retry is None:
             return
         last = retry
@@ -116,11 +118,35 @@ async def proxy_request(
     await send_body(send, last.status, last.body())
 
 
+def _ids_for(router: Router, target, ids: dict) -> list[int] | None:
+    """A completion prompt's token ids to send beside it (engine/server/openai_api.py
+    ``PRETOKENIZED``), so the engine need not tokenize it again: only to our own engine, and only
+    ids made with its own tokenizer files (not a ``--tokenizer-path`` of the router's). Not for
+    chat: there the router renders the chat template itself (engine.chat_template), held to
+    transformers' rendering by tests for the templates we know, but a user's template could
+    render differently, and then the engine would compute another prompt than its own; a
+    mismatch in a completion's plain encoding is not expected (the same tokenizer.json)."""
+    worker = target.worker
+    if not ids or worker.flavour != "dpmesh" or not worker.tokenizer_path:
+        return None
+    if router._tokenizer_path(target) != worker.tokenizer_path:
+        return None
+    return ids.get(worker.tokenizer_path)
+
+
 async def _attempt(
-    router: Router, dispatch: Dispatch, body: dict, path: str, send, *, last_try: bool
+    router: Router,
+    dispatch: Dispatch,
+    body: dict,
+    path: str,
+    send,
+    *,
+    last_try: bool,
+    ids: list[int] | None = None,
 ) -> ProxyError | None:
     """Send the request to the dispatch's target and relay the answer to the client. Returns
-    the error to retry on another target when nothing reached the client, else None."""
+    the error to retry on another target when nothing reached the client, else None. ``ids``:
+    the prompt's token ids in the target's tokenizer, sent beside it (``_ids_for``)."""
     target, config = dispatch.target, router.config
     stream = body.get("stream") is True
     ending = Ending()
@@ -129,7 +155,7 @@ async def _attempt(
         try:
             response = await http.client.get().post(
                 target.worker.url + path,
-                data=upstream_payload(body, dispatch, stream),
+                data=upstream_payload(body, dispatch, stream, ids),
                 headers=_upstream_headers(dispatch),
                 timeout=_timeout(config.connect_timeout_s, config.request_timeout_s),
             )
@@ -211,8 +237,13 @@ def _timeout(connect_s: float, read_s: float):
     return http.timeout(connect=connect_s, read=read_s)
 
 
-def upstream_payload(body: dict, dispatch: Dispatch, stream: bool) -> bytes:
+def upstream_payload(
+    body: dict, dispatch: Dispatch, stream: bool, ids: list[int] | None = None
+) -> bytes:
     payload = dict(body)
+    payload.pop(PRETOKENIZED, None)  # the router's to give, not the client's to pass through
+    if ids is not None:
+        payload[PRETOKENIZED] = ids
     if dispatch.target.rank is not None:
         payload.pop("data-parallel-rank", None)
         payload["data_parallel_rank"] = dispatch.target.rank

@@ -212,6 +212,8 @@ class EngineApp:
             rank = self.client.choose_rank(req.rank_hint)
         except RankUnavailable as exc:
             raise api.APIError(503, str(exc)) from exc
+        if req.pretokenized:
+            self.client.ranks[rank].counters.pretokenized += 1
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         outputs = self.client.generate(rid, rank, req.prompt_token_ids, req.params)
         relay = (

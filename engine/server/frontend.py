@@ -38,6 +38,7 @@ class RankCounters:
     generation_tokens: int = 0
     errors: int = 0
     aborts: int = 0
+    pretokenized: int = 0  # requests whose prompt ids came with them (a router's): not encoded
 
 
 @dataclass

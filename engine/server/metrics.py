@@ -98,6 +98,12 @@ _FAMILIES = [
         lambda s: s.inflight_tokens,
     ),
     ("rank_up", "1 while the rank process serves", "gauge", lambda s: int(s.alive)),
+    (
+        "pretokenized_requests",
+        "Requests whose prompt came with its token ids (a router's): the front did not encode it",
+        "counter",
+        lambda s: s.counters.pretokenized,
+    ),
 ]
 
 

@@ -44,6 +44,7 @@ class ParsedRequest:
     include_usage: bool
     model: str
     rank_hint: int | None
+    pretokenized: bool = False  # the prompt's ids came with it (PRETOKENIZED): not encoded here
 
 
 def _is_int(v) -> bool:
@@ -138,12 +139,15 @@ def sampling_params(body: dict, default_max_tokens: int) -> SamplingParams:
     )
 
 
-def completion_prompt(body: dict, tokenizer, vocab_size: int) -> list[int]:
+def completion_prompt(
+    body: dict, tokenizer, vocab_size: int, given: list[int] | None = None
+) -> list[int]:
+    """``given``: the text prompt's token ids, already computed (``PRETOKENIZED``)."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str) and prompt:
-        return tokenizer.encode(prompt, add_special_tokens=False)
+        return given if given is not None else tokenizer.encode(prompt, add_special_tokens=False)
     if isinstance(prompt, list) and prompt and all(map(_is_int, prompt)):
         if not all(0 <= t < vocab_size for t in prompt):
             raise APIError(400, f"prompt token ids must be in [0, {vocab_size})", param="prompt")
@@ -161,6 +165,29 @@ def completion_prompt(body: dict, tokenizer, vocab_size: int) -> list[int]:
     )
 
 
+# The router's token ids for the prompt (apps/routing/upstream.py): a router that digested a text
+# prompt with this engine's own tokenizer sends them beside the text, so the prompt is tokenized
+# once per request, not twice. The text is still validated as if it were tokenized (the same 400s
+# for the same bodies); the ids replace only its encoding. Not an OpenAI field: a client that
+# sends it itself gets what it would get sending the ids as the prompt.
+PRETOKENIZED = "dpmesh_prompt_token_ids"
+
+
+def pretokenized(body: dict, vocab_size: int) -> list[int] | None:
+    ids = body.get(PRETOKENIZED)
+    if ids is None:
+        return None
+    if not (isinstance(ids, list) and ids and all(map(_is_int, ids))) or not all(
+        0 <= t < vocab_size for t in ids
+    ):
+        raise APIError(
+            400,
+            f"'{PRETOKENIZED}' must be a non-empty list of token ids in [0, {vocab_size})",
+            param=PRETOKENIZED,
+        )
+    return ids
+
+
 # A request whose prompt text is this long is parsed (tokenized) in a worker thread, off the event
 # loop: the tokenizer releases the GIL for it (engine/tokenizer.py), and shorter ones cost less
 # than the thread hop. The router uses the same bound for its own tokenizing.
@@ -168,9 +195,9 @@ OFF_LOOP_CHARS = 4096
 
 
 def prompt_text_chars(body, chat: bool) -> int:
-    """How many characters of text a request asks to tokenize (0: token ids, or not a body we
-    understand; ``parse`` says what is wrong with it)."""
-    if not isinstance(body, dict):
+    """How many characters of text a request asks to tokenize (0: token ids, given beside the
+    text too, or not a body we understand; ``parse`` says what is wrong with it)."""
+    if not isinstance(body, dict) or isinstance(body.get(PRETOKENIZED), list):
         return 0
     if chat:
         messages = body.get("messages")
@@ -210,9 +237,10 @@ def _message_text(msg: dict, i: int) -> str:
     )
 
 
-def chat_prompt(body: dict, tokenizer) -> list[int]:
+def chat_prompt(body: dict, tokenizer, given: list[int] | None = None) -> list[int]:
     """Token ids of the chat exactly as the model sees it: its chat template with the
-    generation prompt, then encoded without extra special tokens. The router digests the same."""
+    generation prompt, then encoded without extra special tokens. The router digests the same
+    (and sends them: ``given``, which replaces the encoding once the messages are checked)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "'messages' must be a non-empty list", param="messages")
@@ -225,6 +253,8 @@ def chat_prompt(body: dict, tokenizer) -> list[int]:
                 param="messages",
             )
         clean.append({"role": msg["role"], "content": _message_text(msg, i)})
+    if given is not None:
+        return given
     text = tokenizer.apply_chat_template(clean, add_generation_prompt=True, tokenize=False)
     return tokenizer.encode(text, add_special_tokens=False)
 
@@ -254,7 +284,11 @@ def parse(
         raise APIError(
             400, "'stream_options' is only allowed when 'stream' is true", param="stream_options"
         )
-    ids = chat_prompt(body, tokenizer) if chat else completion_prompt(body, tokenizer, vocab_size)
+    given = pretokenized(body, vocab_size)
+    if chat:
+        ids = chat_prompt(body, tokenizer, given)
+    else:
+        ids = completion_prompt(body, tokenizer, vocab_size, given)
     room = max_model_len - len(ids)
     if room <= 0:
         raise APIError(
@@ -275,7 +309,14 @@ def parse(
             param="max_tokens",
         )
     return ParsedRequest(
-        chat, ids, params, stream, bool(options.get("include_usage")), model or "", hint
+        chat,
+        ids,
+        params,
+        stream,
+        bool(options.get("include_usage")),
+        model or "",
+        hint,
+        pretokenized=given is not None and ids is given,
     )
 
 

@@ -172,6 +172,18 @@ BAD_INPUTS = [
     ("completions", {"prompt": "the cat sat " * 500}, 400),
     ("chat", {"messages": [{"role": "user", "content": "the cat sat " * 500}]}, 400),
     ("completions", {"prompt": "the cat sat " * 400, "temperature": "hot"}, 400),
+    # a router's token ids beside the text (openai_api.PRETOKENIZED): checked, and the text still is
+    ("completions", {"prompt": "x", "dpmesh_prompt_token_ids": "12 13"}, 400),
+    ("completions", {"prompt": "x", "dpmesh_prompt_token_ids": []}, 400),
+    ("completions", {"prompt": "x", "dpmesh_prompt_token_ids": [12, 99999]}, 400),
+    ("completions", {"prompt": "x", "dpmesh_prompt_token_ids": [12, True]}, 400),
+    ("completions", {"prompt": 123, "dpmesh_prompt_token_ids": [12, 13]}, 400),
+    ("completions", {"prompt": "x", "dpmesh_prompt_token_ids": [12] * MAX_MODEL_LEN}, 400),
+    (
+        "chat",
+        {"messages": [{"role": "wizard", "content": "x"}], "dpmesh_prompt_token_ids": [12]},
+        400,
+    ),
 ]
 
 
@@ -181,6 +193,26 @@ def test_bad_input_gets_openai_error(engine, endpoint, body, status):
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
+
+
+def test_a_routers_token_ids_replace_the_text_prompts_encoding(engine):
+    """The ids beside a text prompt are what the engine computes (here deliberately not the
+    text's own, to tell them apart): the same tokens and usage as the ids sent as the prompt."""
+    ids = list(range(40, 60))
+    by_ids = post(engine.url, "completions", {"prompt": ids, "max_tokens": 6, "temperature": 0})
+    given = post(
+        engine.url,
+        "completions",
+        {
+            "prompt": "hello there",
+            "dpmesh_prompt_token_ids": ids,
+            "max_tokens": 6,
+            "temperature": 0,
+        },
+    )
+    assert by_ids.status_code == given.status_code == 200, given.text
+    assert given.json()["usage"]["prompt_tokens"] == len(ids)
+    assert given.json()["choices"][0]["text"] == by_ids.json()["choices"][0]["text"]
 
 
 def test_wrong_method_and_path(engine):

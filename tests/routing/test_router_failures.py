@@ -483,6 +483,56 @@ def test_openai_client_non_streaming_usage(oai, cluster):
     assert_idle(cluster.url)
 
 
+def _pretokenized(cluster: Cluster) -> float:
+    """Requests the engines took with the router's token ids (not encoded by their front)."""
+    return sum(
+        value
+        for server in (cluster.engine, cluster.spare)
+        for (name, _rank), value in procs.metrics(server.url).items()
+        if name == "pretokenized_requests"
+    )
+
+
+def test_a_long_completion_is_tokenized_once_by_the_router_not_again_by_the_engine(cluster):
+    """The router tokenizes a long text prompt to route it and sends the ids beside the text
+    (engine/server/openai_api.py PRETOKENIZED): the engine computes them without encoding the
+    text again, and answers exactly what it answers to the text alone. Not for chat, not for a
+    short prompt, and a client's own ids field is dropped."""
+    long_prompt = "the quick brown fox jumps over the lazy dog " * 100  # 4,400 characters
+    body = {"model": "tiny", "prompt": long_prompt, "max_tokens": 6, "temperature": 0}
+    before = _pretokenized(cluster)
+    routed = httpx.post(cluster.url + "/v1/completions", json=body, timeout=60)
+    assert routed.status_code == 200, routed.text
+    assert _pretokenized(cluster) == before + 1
+    server, rank = engine_of(cluster, routed.headers["x-routed-target"])
+    direct = httpx.post(
+        server.url + "/v1/completions",
+        json=body,
+        headers={"x-data-parallel-rank": str(rank)},
+        timeout=60,
+    )
+    assert direct.json()["choices"][0]["text"] == routed.json()["choices"][0]["text"]
+    assert direct.json()["usage"]["prompt_tokens"] == routed.json()["usage"]["prompt_tokens"]
+    chat = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": long_prompt}],
+        "max_tokens": 2,
+    }
+    smuggled = {
+        "model": "tiny",
+        "prompt": "short",
+        "max_tokens": 2,
+        "dpmesh_prompt_token_ids": list(range(50, 90)),
+    }
+    for extra in (chat, smuggled):
+        path = "/v1/chat/completions" if "messages" in extra else "/v1/completions"
+        r = httpx.post(cluster.url + path, json=extra, timeout=60)
+        assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] < 40  # "short", not the client's 40 ids
+    assert _pretokenized(cluster) == before + 1
+    assert_idle(cluster.url)
+
+
 @pytest.mark.parametrize("chat", [False, True])
 def test_openai_client_streaming_usage_only_when_asked(oai, cluster, chat):
     def stream(**extra):
