@@ -89,7 +89,7 @@ def make_ranks(dp_size: int, profile: str, block_size: int, num_kv_blocks: int |
 def make_router(policy: str, dp_size: int, block_size: int, capacity: int, clock):
     """The real router, its fleet one simulated worker of ``dp_size`` ranks."""
     from apps.replicas.models import Worker
-    from apps.routing.index import PrefixDemand
+    from apps.routing.index import PrefixDemand, ServedVolume
     from apps.routing.load import RankLoad
     from apps.routing.policies import POLICIES
     from apps.routing.router import Router, RouterConfig
@@ -103,6 +103,7 @@ def make_router(policy: str, dp_size: int, block_size: int, capacity: int, clock
         router.policy = LAB_POLICIES[policy]()
     router.index.clock = clock
     router.demand = PrefixDemand(clock=clock)  # the prefixes' shares on the virtual clock
+    router.volume = ServedVolume(clock=clock)  # the ranks' shares of the work, likewise
     info = {"dp_size": dp_size, "model_id": "tiny", "model_path": str(ensure_tiny_model()),
             "block_size": block_size, "prefix_digest": SCHEME,
             "num_kv_blocks_per_rank": capacity}  # fmt: skip

@@ -185,3 +185,45 @@ class PrefixDemand:
         value, at = self.counts.get(prefix, (0.0, now))
         total = self._decayed(self.total, self.total_at, now)
         return self._decayed(value, at, now) / total if total > 0 else 0.0
+
+
+VOLUME_HALF_LIFE_S = 300.0  # minutes of traffic: a rank's share of the work, not its queue now
+
+
+class ServedVolume:
+    """The prompt tokens each target was sent lately, decayed with a half-life of
+    ``half_life_s`` (minutes, where the load's own counts look seconds back). Cached tokens count:
+    a cached prompt still fills its rank's KV cache and is read at every decode step.
+
+    Queues and requests in flight say where a request starts soonest; they forget a rank's share
+    of the work as soon as its queue drains. On a fleet that is mostly idle between bursts (the
+    Mooncake trace: TTFT p50 35 ms) most requests find every queue empty and land by chance, and
+    each rank's share of the tokens drifts like a random walk with nothing pulling it back: in the
+    routing lab one rank of four ended with 1.18x the mean (docs/benchmarks.md). ``excess`` is
+    what the cost model pulls back with."""
+
+    def __init__(self, half_life_s: float = VOLUME_HALF_LIFE_S, clock=time.monotonic):
+        self.half_life_s, self.clock = half_life_s, clock
+        self.tokens: dict[str, tuple[float, float]] = {}  # target key -> (tokens, as of)
+
+    def _now_value(self, key: str, now: float) -> float:
+        value, at = self.tokens.get(key, (0.0, now))
+        return value * 0.5 ** ((now - at) / self.half_life_s)
+
+    def add(self, key: str, tokens: int) -> None:
+        """``tokens`` prompt tokens were just routed to target ``key``."""
+        now = self.clock()
+        self.tokens[key] = (self._now_value(key, now) + tokens, now)
+
+    def excess(self, keys: list[str]) -> dict[str, float]:
+        """Each target's volume relative to the mean of ``keys`` (0: at the mean, -1: nothing
+        lately); all 0 while none of them was sent anything."""
+        now = self.clock()
+        values = {key: self._now_value(key, now) for key in keys}
+        mean = sum(values.values()) / len(values) if values else 0.0
+        if mean <= 0:
+            return dict.fromkeys(keys, 0.0)
+        return {key: value / mean - 1 for key, value in values.items()}
+
+    def forget(self, key: str) -> None:
+        self.tokens.pop(key, None)

@@ -79,6 +79,8 @@ class CacheAware(Policy):
             + balance_weight x pressure x excess(t)
                                                                 (where sessions pile up over time)
             + seat_weight x requests beyond t's seats          (it waits for a running one to end)
+            + volume_weight x volume excess(t), capped         (only for a prompt cached nowhere:
+                                                                 each rank's share of the work)
 
     "Private" blocks are matched blocks past the deepest shared branch point
     (``PrefixIndex.shared_blocks``): one session's own history. A shared prefix (a system prompt
@@ -116,6 +118,20 @@ class CacheAware(Policy):
     admission at 8): without it the engine's waiting queue reached 1-2 while a seat was free
     elsewhere, and the admitted requests' TTFT p99 overshot its bound by 0.28 s.
 
+    The volume term evens out the ranks' share of the work over minutes, which every other term
+    forgets as soon as queues drain: ``shape.volume_excess`` is each target's prompt tokens of the
+    last minutes (cached ones too: they fill the rank's KV cache and are read at every decode
+    step) relative to the candidates' mean (apps/routing/index.py ``ServedVolume``), counted up to
+    ``volume_cap`` either way. It weighs only on a prompt no target holds any of, the one request
+    that is free to go anywhere: a prefix's later requests stay with their cache, and the new
+    prompts make up for them. On the Mooncake trace (bench/routing_lab.py), whose requests mostly
+    find every queue empty, each rank's share drifted like a random walk (one rank of four at 1.18x
+    the mean prompt tokens after 1,500 requests), and over the whole trace a few prefixes reused
+    up to twenty times at 56-76 k tokens each put up to 1.1 M tokens more on one rank of eight
+    (1.22x). With the term: 1.00-1.09x, at the same TTFT. A weight of 16 k tokens removed the drift
+    but did not make up for such prefixes (the new prompts on their rank came to the mean's
+    number all the same: 1.11-1.18x on the whole trace at DP 8).
+
     The lowest cost wins; targets within ``slack`` tokens of it count as tied and go to the one
     with the fewest active sessions plus requests in flight, then the fewest requests lately, then
     chance (never always target 0).
@@ -134,6 +150,8 @@ class CacheAware(Policy):
         rework_floor: float = 2.0,
         rework_cap: float = 8.0,
         seat_weight: float = 2048.0,
+        volume_weight: float = 131072.0,
+        volume_cap: float = 0.25,
     ):
         super().__init__(rng)
         self.decode_weight, self.stickiness, self.balance_weight = (
@@ -144,6 +162,7 @@ class CacheAware(Policy):
         self.slack, self.new_session_slack = slack, new_session_slack
         self.rework_floor, self.rework_cap = rework_floor, rework_cap
         self.seat_weight = seat_weight
+        self.volume_weight, self.volume_cap = volume_weight, volume_cap
 
     def matched_tokens(self, target: Target, shape: RequestShape, matched: dict[str, int]) -> int:
         return min(matched.get(target.key, 0), shape.hittable_blocks) * shape.block_tokens
@@ -173,6 +192,9 @@ class CacheAware(Policy):
             # (its system prompt) to where it lands is paid once for all its later turns, and
             # where sessions start is the balance term's to decide
             rework = 0.0
+        # a prompt cached nowhere may start anywhere: it evens out the ranks' share of the work
+        spread = shape.volume_excess if best_match == 0 and shape.volume_excess else {}
+        cap = self.volume_cap
         out = []
         for t, hit, n, live in zip(targets, hits, inflight, sessions, strict=True):
             stranded = max(0, best_match - max(hit, shared))
@@ -190,6 +212,7 @@ class CacheAware(Policy):
                 + rework * (best_match - hit)
                 + self.balance_weight * pressure * self.one_sided(excess, hit, shared, hot)
                 + self.seat_weight * self.beyond_seats(t, n)
+                + self.volume_weight * max(-cap, min(cap, spread.get(t.key, 0.0)))
             )
         return out
 

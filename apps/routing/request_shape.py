@@ -121,9 +121,12 @@ class RequestShape:
     the unit one digest covers (``block_tokens``), and whether it is a chat turn (``chat``).
     ``prefix_share`` is the router's, set before a policy reads the shape: the fraction of recent
     requests that shared the prefix this one shares (apps/routing/index.py ``PrefixDemand``;
-    None: not known, and a policy takes the prefix as hot)."""
+    None: not known, and a policy takes the prefix as hot). ``volume_excess`` is the router's too:
+    each candidate's prompt tokens of the last minutes relative to the candidates' mean
+    (``ServedVolume.excess``; None: not known, and a policy ignores it)."""
 
-    __slots__ = ("digests", "prompt_tokens", "block_tokens", "chat", "prefix_share")
+    __slots__ = ("digests", "prompt_tokens", "block_tokens", "chat", "prefix_share",
+                 "volume_excess")  # fmt: skip
 
     def __init__(
         self, digests: list[int], prompt_tokens: int, block_tokens: int, chat: bool = False
@@ -131,6 +134,7 @@ class RequestShape:
         self.digests, self.prompt_tokens, self.block_tokens = digests, prompt_tokens, block_tokens
         self.chat = chat
         self.prefix_share: float | None = None
+        self.volume_excess: dict[str, float] | None = None
 
     @property
     def hittable_blocks(self) -> int:

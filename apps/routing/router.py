@@ -22,7 +22,7 @@ from django.core.exceptions import ImproperlyConfigured
 from apps.replicas.runtime import SCOPE_KEY, runtime_of
 from apps.routing.dispatch import Dispatch, DispatchObserver
 from apps.routing.fleet import Fleet, Target, view_of
-from apps.routing.index import PrefixDemand, PrefixIndex
+from apps.routing.index import PrefixDemand, PrefixIndex, ServedVolume
 from apps.routing.policies import POLICIES, Policy, make_policy
 from apps.routing.request_shape import RequestShape, shape_request, tokenizer_or_none
 from apps.routing.sessions import SessionTable
@@ -130,6 +130,7 @@ class Router:
         self.fleet = Fleet()
         self.index = PrefixIndex(ttl_s=self.config.prefix_ttl_s)
         self.demand = PrefixDemand()
+        self.volume = ServedVolume()  # each target's prompt tokens of the last minutes
         self.sessions = SessionTable(ttl_s=self.config.session_ttl_s)
         self.stats = RouterStats()
         self.policy: Policy = self._make_policy(self.config.policy)
@@ -186,6 +187,7 @@ class Router:
         prefix = primary.digests[shared - 1] if 0 < shared <= len(primary.digests) else None
         self.demand.add(prefix)
         primary.prefix_share = self.demand.share(prefix) if prefix is not None else None
+        primary.volume_excess = self.volume.excess([t.key for t in candidates])
         home = self.sessions.home(session, candidates) if session else None
         target = home or self.policy.choose(candidates, primary, matched, shared)
         if session:
@@ -208,6 +210,7 @@ class Router:
             shape.prompt_tokens, shape.prompt_tokens - predicted, continues or chat
         )
         self.index.insert(target.key, shape.digests)
+        self.volume.add(target.key, shape.prompt_tokens)
         for observer in self.observers:
             observer.routed(target.key, shape.digests)
         self.stats.dispatched(target.key, shape.prompt_tokens, predicted)
@@ -302,6 +305,7 @@ class Router:
     def worker_removed(self, worker_id: int) -> None:
         for target in self.fleet.targets.get(worker_id, []):
             self.index.remove_rank(target.key)
+            self.volume.forget(target.key)
         self.fleet.remove(worker_id)
 
     def worker_draining(self, worker_id: int, draining: bool) -> None:

@@ -3,7 +3,7 @@ expiry, and removal; every number exact, on a fake clock."""
 
 import pytest
 
-from apps.routing.index import PrefixDemand, PrefixIndex
+from apps.routing.index import PrefixDemand, PrefixIndex, ServedVolume
 from tests.routing.helpers import Clock
 
 
@@ -255,3 +255,18 @@ def test_match_agrees_with_its_definition_under_random_churn(clock):
         keys = rng.choice((None, ["r0", "r2"], ["r1", "nope"]))
         assert index.match(probe, keys) == reference_match(index, probe, keys), step
     assert_consistent(index)
+
+
+def test_served_volume_is_each_target_s_recent_prompt_tokens_against_the_mean():
+    clock = Clock()
+    volume = ServedVolume(half_life_s=100.0, clock=clock)
+    assert volume.excess(["a", "b"]) == {"a": 0.0, "b": 0.0}  # nothing sent yet: no excess
+    volume.add("a", 300)
+    volume.add("b", 100)
+    assert volume.excess(["a", "b"]) == pytest.approx({"a": 0.5, "b": -0.5})
+    assert volume.excess(["a", "b", "c"]) == pytest.approx({"a": 1.25, "b": -0.25, "c": -1.0})
+    clock.now += 100.0  # a half-life later the old tokens weigh half
+    volume.add("b", 250)
+    assert volume.excess(["a", "b"]) == pytest.approx({"a": -1 / 3, "b": 1 / 3})
+    volume.forget("b")
+    assert volume.excess(["a", "b"]) == pytest.approx({"a": 1.0, "b": -1.0})
