@@ -79,7 +79,7 @@ class CacheAware(Policy):
             + balance_weight x pressure x excess(t)
                                                                 (where sessions pile up over time)
             + seat_weight x requests beyond t's seats          (it waits for a running one to end)
-            + volume_weight x volume excess(t), capped         (only for a prompt cached nowhere:
+            + volume_weight x prompt x volume excess(t), capped  (only for a prompt cached nowhere:
                                                                  each rank's share of the work)
 
     "Private" blocks are matched blocks past the deepest shared branch point
@@ -122,7 +122,11 @@ class CacheAware(Policy):
     forgets as soon as queues drain: ``shape.volume_excess`` is each target's prompt tokens of the
     last minutes (cached ones too: they fill the rank's KV cache and are read at every decode
     step) relative to the candidates' mean (apps/routing/index.py ``ServedVolume``), counted up to
-    ``volume_cap`` either way. It weighs only on a prompt no target holds any of, the one request
+    ``volume_cap`` either way, times the request's own prompt tokens: a big new prompt (the ones
+    that make a rank's share) is steered by up to ``volume_weight x cap`` = 2x its size, a short
+    one hardly at all, so a burst of short requests still spreads by the queues (a flat pull of
+    32 k tokens sent a burst of six short new sessions all to the one rank that had served
+    nothing yet). It weighs only on a prompt no target holds any of, the one request
     that is free to go anywhere: a prefix's later requests stay with their cache, and the new
     prompts make up for them. On the Mooncake trace (bench/routing_lab.py), whose requests mostly
     find every queue empty, each rank's share drifted like a random walk (one rank of four at 1.18x
@@ -150,7 +154,7 @@ class CacheAware(Policy):
         rework_floor: float = 2.0,
         rework_cap: float = 8.0,
         seat_weight: float = 2048.0,
-        volume_weight: float = 131072.0,
+        volume_weight: float = 8.0,
         volume_cap: float = 0.25,
     ):
         super().__init__(rng)
@@ -212,7 +216,9 @@ class CacheAware(Policy):
                 + rework * (best_match - hit)
                 + self.balance_weight * pressure * self.one_sided(excess, hit, shared, hot)
                 + self.seat_weight * self.beyond_seats(t, n)
-                + self.volume_weight * max(-cap, min(cap, spread.get(t.key, 0.0)))
+                + self.volume_weight
+                * shape.prompt_tokens
+                * max(-cap, min(cap, spread.get(t.key, 0.0)))
             )
         return out
 

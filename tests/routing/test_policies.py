@@ -419,18 +419,22 @@ def test_a_target_with_its_seats_taken_loses_to_one_with_a_free_seat():
 
 def test_a_prompt_cached_nowhere_evens_out_the_targets_recent_volume():
     """The targets' prompt tokens of the last minutes (``shape.volume_excess``, relative to their
-    mean) weigh on a request no target holds any of: the target 30 % below the mean wins against
-    an idle one although a small queue waits there; the excess counts up to ``volume_cap`` only.
-    A request with a match anywhere is placed by its prefix and queues alone."""
-    policy = cache_aware(volume_weight=10_000.0, volume_cap=0.5, balance_weight=0.0)
+    mean) weigh on a request no target holds any of, in proportion to its own prompt tokens: the
+    target 30 % below the mean wins against an idle one although a small queue waits there; the
+    excess counts up to ``volume_cap`` only. A request with a match anywhere is placed by its
+    prefix and queues alone; a short one barely feels the term."""
+    policy = cache_aware(volume_weight=10.0, volume_cap=0.5, balance_weight=0.0)
     light, idle, heavy = targets(3)
     light.load.begin(200, 1_000)
     s = shape(640)
     s.volume_excess = {light.key: -0.3, idle.key: 0.0, heavy.key: 0.9}
     assert policy.costs([light, idle, heavy], s, {}) == pytest.approx(
-        [640 + 1_000 + 16 - 3_000, 640, 640 + 5_000]
+        [640 + 1_000 + 16 - 0.3 * 10 * 640, 640, 640 + 0.5 * 10 * 640]
     )
     assert policy.choose([light, idle, heavy], s, {}) is light
+    short = shape(16)  # a short new prompt: the queue decides, not the share
+    short.volume_excess = dict(s.volume_excess)
+    assert policy.choose([light, idle, heavy], short, {}) is idle
     # the same request with 4 blocks cached on the heavy target: no volume term anywhere
     costs = policy.costs([light, idle, heavy], s, {heavy.key: 4})
     assert costs == pytest.approx([640 + 1_000 + 16 + 64, 640 + 64, 640 - 64])
