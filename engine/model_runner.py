@@ -118,19 +118,25 @@ def paged_attention(
     if paged.decode_index is not None and paged.cascade is not None:
         out[paged.decode_index] = _cascade_decode(q, k_blocks, v_blocks, paged, scaling)
     elif paged.decode_index is not None:
-        # [KVH, B * W blocks, block_size, D] -> [KVH, B, W * block_size, D] -> [B, KVH, ctx, D]:
-        # each (sequence, head)'s keys one contiguous [ctx, D] slab, as the attention kernel
-        # reads them (the pool's head-major layout is for this; token-major, the same gather
-        # took 2.5x as long and left the kernel strided rows)
-        shape = (kv_heads, paged.decode_batch, -1, head_dim)
-        k = k_blocks.index_select(1, paged.decode_blocks).view(shape).transpose(0, 1)
-        v = v_blocks.index_select(1, paged.decode_blocks).view(shape).transpose(0, 1)
+        k, v = _decode_keys(k_blocks, v_blocks, paged)
         qd = q[:, paged.decode_index].transpose(0, 1).unsqueeze(2)  # [B, H, 1, D]
         o = F.scaled_dot_product_attention(
             qd, k, v, attn_mask=paged.decode_mask, scale=scaling, enable_gqa=True
         )
         out[paged.decode_index] = o[:, :, 0]
     return out.unsqueeze(0), None
+
+
+def _decode_keys(k_blocks, v_blocks, paged: PagedContext):
+    """The decodes' keys and values, [B, KVH, ctx, D]: [KVH, B * W blocks, block_size, D] viewed
+    as [KVH, B, W * block_size, D], so each (sequence, head)'s keys are one contiguous [ctx, D]
+    slab, as the attention kernel reads them (the pool's head-major layout is for this;
+    token-major, the same gather took 2.5x as long and left the kernel strided rows)."""
+    kv_heads, _, _, head_dim = k_blocks.shape
+    shape = (kv_heads, paged.decode_batch, -1, head_dim)
+    k = k_blocks.index_select(1, paged.decode_blocks).view(shape).transpose(0, 1)
+    v = v_blocks.index_select(1, paged.decode_blocks).view(shape).transpose(0, 1)
+    return k, v
 
 
 def _cascade_decode(q, k_blocks, v_blocks, paged: PagedContext, scaling) -> torch.Tensor:
@@ -143,9 +149,7 @@ def _cascade_decode(q, k_blocks, v_blocks, paged: PagedContext, scaling) -> torc
     heads = q.shape[0]
     group = heads // kv_heads
     qd = q[:, paged.decode_index].transpose(0, 1).reshape(batch, kv_heads, group, head_dim)
-    shape = (kv_heads, batch, -1, head_dim)
-    k = k_blocks.index_select(1, paged.decode_blocks).view(shape).transpose(0, 1)
-    v = v_blocks.index_select(1, paged.decode_blocks).view(shape).transpose(0, 1)
+    k, v = _decode_keys(k_blocks, v_blocks, paged)
     out, lse = _flash_with_lse(qd, k, v, attn_mask=paged.decode_mask, scale=scaling)
     for cg in paged.cascade:
         n = cg.members.numel()

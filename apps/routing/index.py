@@ -145,6 +145,11 @@ class PrefixIndex:
         return len(self.ranks.get(key, ()))
 
 
+def decayed(value: float, at: float, now: float, half_life_s: float) -> float:
+    """``value`` as of ``at``, halved every ``half_life_s`` up to ``now``."""
+    return value * 0.5 ** ((now - at) / half_life_s)
+
+
 class PrefixDemand:
     """How much of the recent traffic each shared prefix carries: a count per prefix (named by
     the digest of its last block, where requests branch) and one over all requests, both decayed
@@ -163,7 +168,7 @@ class PrefixDemand:
         self.adds = 0
 
     def _decayed(self, value: float, at: float, now: float) -> float:
-        return value * 0.5 ** ((now - at) / self.half_life_s)
+        return decayed(value, at, now, self.half_life_s)
 
     def add(self, prefix: int | None) -> None:
         """One request routed; ``prefix``: the digest that ends the shared prefix it matched."""
@@ -208,7 +213,7 @@ class ServedVolume:
 
     def _now_value(self, key: str, now: float) -> float:
         value, at = self.tokens.get(key, (0.0, now))
-        return value * 0.5 ** ((now - at) / self.half_life_s)
+        return decayed(value, at, now, self.half_life_s)
 
     def add(self, key: str, tokens: int) -> None:
         """``tokens`` prompt tokens were just routed to target ``key``."""

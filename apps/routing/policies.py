@@ -132,9 +132,8 @@ class CacheAware(Policy):
     find every queue empty, each rank's share drifted like a random walk (one rank of four at 1.18x
     the mean prompt tokens after 1,500 requests), and over the whole trace a few prefixes reused
     up to twenty times at 56-76 k tokens each put up to 1.1 M tokens more on one rank of eight
-    (1.22x). With the term: 1.00-1.09x, at the same TTFT. A weight of 16 k tokens removed the drift
-    but did not make up for such prefixes (the new prompts on their rank came to the mean's
-    number all the same: 1.11-1.18x on the whole trace at DP 8).
+    (1.22x). With the term: 1.01-1.16x, at the same TTFT (docs/benchmarks.md, "The ranks' share
+    of the work").
 
     The lowest cost wins; targets within ``slack`` tokens of it count as tied and go to the one
     with the fewest active sessions plus requests in flight, then the fewest requests lately, then

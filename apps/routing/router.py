@@ -226,12 +226,13 @@ class Router:
 
     def tokenizer_paths(self, model: str | None) -> set[str]:
         """The tokenizers the candidates for ``model`` digest prompts with."""
-        paths = {self._tokenizer_path(t) for t in self.fleet.candidates(model)}
+        paths = {self.tokenizer_path_of(t) for t in self.fleet.candidates(model)}
         if not paths and model:
-            paths = {self._tokenizer_path(t) for t in self.fleet.candidates(None)}
+            paths = {self.tokenizer_path_of(t) for t in self.fleet.candidates(None)}
         return {p for p in paths if p}
 
-    def _tokenizer_path(self, target: Target) -> str | None:
+    def tokenizer_path_of(self, target: Target) -> str | None:
+        """The tokenizer this router digests ``target``'s prompts with (None: text digests)."""
         worker = target.worker
         if not (worker.block_size or self.config.tokenizer_path):
             return None

@@ -129,7 +129,7 @@ def _ids_for(router: Router, target, ids: dict) -> list[int] | None:
     worker = target.worker
     if not ids or worker.flavour != "dpmesh" or not worker.tokenizer_path:
         return None
-    if router._tokenizer_path(target) != worker.tokenizer_path:
+    if router.tokenizer_path_of(target) != worker.tokenizer_path:
         return None
     return ids.get(worker.tokenizer_path)
 
