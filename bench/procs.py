@@ -42,11 +42,50 @@ class ServerProcess:
                 os.killpg(self.proc.pid, signal.SIGKILL)  # its rank processes too
                 self.proc.wait()
 
+    def kill(self, timeout: float = 30.0) -> None:
+        """SIGKILL the whole process group and wait until none of it is left alive: the children
+        (vLLM's engine cores, our ranks) outlive the parent by a moment while the kernel tears
+        them down, holding their ports, and a restart on the same ports fails until they are
+        gone."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout)
+        deadline = time.monotonic() + timeout
+        while group_alive(self.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.stop()
+
+
+def group_alive(pgid: int) -> list[int]:
+    """The pids of process group ``pgid`` that are still running (zombies, already dead and only
+    waiting to be reaped, are not counted)."""
+    alive = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after "pid (comm)"
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            alive.append(int(entry.name))
+    return alive
+
+
+def failure_log(log: str, tail: int = 4000) -> str:
+    """What a failed start printed: its error lines first (a traceback's last lines hide the
+    root cause that vLLM logs above them), then the log's tail."""
+    errors = [line for line in log.splitlines() if "Error" in line or "ERROR" in line]
+    head = "\n".join(errors[:30])
+    return f"error lines:\n{head}\n--- last {tail} characters:\n{log[-tail:]}"
 
 
 def start(
@@ -72,7 +111,9 @@ def start(
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{cmd[:4]} exited with {proc.returncode}:\n{server.log()[-4000:]}")
+            raise RuntimeError(
+                f"{cmd[:4]} exited with {proc.returncode}:\n{failure_log(server.log())}"
+            )
         try:
             if httpx.get(url + health, timeout=2).status_code == 200:
                 return server
@@ -80,4 +121,4 @@ def start(
             pass
         time.sleep(0.3)
     server.stop()
-    raise RuntimeError(f"{cmd[:4]} not healthy after {timeout}s:\n{server.log()[-4000:]}")
+    raise RuntimeError(f"{cmd[:4]} not healthy after {timeout}s:\n{failure_log(server.log())}")

@@ -4,8 +4,6 @@ ports, read its /metrics and /health, and take its SSE answers apart."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 import sys
 from pathlib import Path
 
@@ -72,9 +70,8 @@ def start_engine_on(tmp: Path, port: int, dp_size: int, name: str) -> ServerProc
 
 def kill_hard(server: ServerProcess) -> None:
     """SIGKILL the server's whole process group (an engine's front and rank processes): no
-    goodbye."""
-    os.killpg(server.proc.pid, signal.SIGKILL)
-    server.proc.wait(10)
+    goodbye), and wait until none of it is left to hold a port a restart needs."""
+    server.kill()
 
 
 # ----- reading the router and its answers ------------------------------------------------------
