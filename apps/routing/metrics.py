@@ -5,6 +5,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from apps.routing.request_shape import tokenizer_counters
+
 PREFIX = "dpmesh_router"
 
 _TARGET_COUNTERS = [
@@ -125,6 +127,21 @@ class RouterCollector:
             f"{PREFIX}_retries",
             "Upstream attempts retried on another target",
             value=self.router.stats.retries,
+        )
+        counts = tokenizer_counters()
+        family = CounterMetricFamily(
+            f"{PREFIX}_tokenizer_chars",
+            "Prompt characters of long texts tokenized for routing: taken from the prefix token "
+            "cache (cached) or encoded",
+            labels=["source"],
+        )
+        for source in ("cached", "encoded"):
+            family.add_metric([source], counts[source])
+        yield family
+        yield CounterMetricFamily(
+            f"{PREFIX}_tokenizer_cache_mismatches",
+            "Prefix token caches turned off: a chunked encode differed from the whole text's",
+            value=counts["mismatches"],
         )
         yield CounterMetricFamily(
             f"{PREFIX}_no_target",

@@ -15,15 +15,20 @@ import asyncio
 import functools
 import logging
 import os
+import threading
 
 import xxhash
 
 from engine.digests import chain_digests
 from engine.server.openai_api import OFF_LOOP_CHARS, prompt_text_chars
+from engine.tokenize_cache import PrefixTokenCache
 
 logger = logging.getLogger(__name__)
 
 CHUNK_CHARS = 64
+PREFIX_STRIDE = 2048  # characters per chunk of the prefix token caches
+_PREFIX_CACHES: dict = {}  # tokenizer -> its PrefixTokenCache (None: not a lean one)
+_PREFIX_CACHES_LOCK = threading.Lock()
 
 
 @functools.lru_cache(maxsize=16)
@@ -57,6 +62,38 @@ def tokenizer_or_none(path: str):
         return None
 
 
+def prefix_token_cache(tokenizer) -> PrefixTokenCache | None:
+    """The prefix token cache of a lean tokenizer (one per tokenizer, made on first use); None for
+    a transformers one."""
+    with _PREFIX_CACHES_LOCK:
+        if tokenizer not in _PREFIX_CACHES:
+            lean = hasattr(tokenizer, "backend")
+            _PREFIX_CACHES[tokenizer] = PrefixTokenCache(tokenizer, PREFIX_STRIDE) if lean else None
+        return _PREFIX_CACHES[tokenizer]
+
+
+def encode_text(tokenizer, text: str) -> list[int]:
+    """``tokenizer.encode(text, add_special_tokens=False)``; a long text through the tokenizer's
+    prefix token cache (engine/tokenize_cache.py: the part a recent prompt shared, a chat's
+    history or a long system prompt, is not encoded again)."""
+    cache = prefix_token_cache(tokenizer) if len(text) >= 2 * PREFIX_STRIDE else None
+    if cache is not None:
+        return cache.encode(text)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def tokenizer_counters() -> dict[str, int]:
+    """Over all prefix token caches: characters taken from them, characters encoded through
+    them, and the caches turned off by a chunked encode that differed from the whole one."""
+    with _PREFIX_CACHES_LOCK:
+        caches = [c for c in _PREFIX_CACHES.values() if c is not None]
+    return {
+        "cached": sum(c.cached_chars for c in caches),
+        "encoded": sum(c.encoded_chars for c in caches),
+        "mismatches": sum(c.mismatches for c in caches),
+    }
+
+
 def _message_text(content) -> str:
     if isinstance(content, list):
         return "".join(p.get("text", "") for p in content if isinstance(p, dict))
@@ -81,12 +118,12 @@ def prompt_token_ids(body: dict, chat: bool, tokenizer) -> list[int] | None:
             text = tokenizer.apply_chat_template(clean, add_generation_prompt=True, tokenize=False)
         except Exception:  # a template that rejects these roles: let the engine say so
             return None
-        return tokenizer.encode(text, add_special_tokens=False)
+        return encode_text(tokenizer, text)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1:
         prompt = prompt[0]
     if isinstance(prompt, str):
-        return tokenizer.encode(prompt, add_special_tokens=False)
+        return encode_text(tokenizer, prompt)
     if isinstance(prompt, list) and all(
         isinstance(t, int) and not isinstance(t, bool) for t in prompt
     ):

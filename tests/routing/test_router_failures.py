@@ -39,6 +39,7 @@ from tests.support.router_checks import (
     healthy_targets,
     kill_hard,
     path_for,
+    prom,
     router_load,
     sse_events,
     start_engine_on,
@@ -530,6 +531,42 @@ def test_a_long_completion_is_tokenized_once_by_the_router_not_again_by_the_engi
         assert r.status_code == 200, r.text
     assert r.json()["usage"]["prompt_tokens"] < 40  # "short", not the client's 40 ids
     assert _pretokenized(cluster) == before + 1
+    assert_idle(cluster.url)
+
+
+def _tokenizer_chars(cluster: Cluster) -> dict[str, float]:
+    return {
+        labels["source"]: value
+        for name, labels, value in prom(cluster.url)
+        if name == "dpmesh_router_tokenizer_chars_total"
+    }
+
+
+def test_a_prompt_sharing_a_long_prefix_encodes_only_its_new_part_and_the_ids_stay_exact(cluster):
+    """Two long completions with one 4.4 k-character preamble: the router takes the second's
+    shared chunks from its prefix token cache (engine/tokenize_cache.py) and sends the engine the
+    ids, which must be those of the whole text: the engine answers what it answers to the text
+    alone, with the same prompt tokens."""
+    rules = (f"rule {i}: answer plainly and cite section {i * 7 % 13}." for i in range(100))
+    preamble = " ".join(rules)
+    before = _tokenizer_chars(cluster)
+    for question in (" First, what is rule 3?", " Then: does rule 200 apply to tabs\tand 12?"):
+        body = {"model": "tiny", "prompt": preamble + question, "max_tokens": 5, "temperature": 0}
+        routed = httpx.post(cluster.url + "/v1/completions", json=body, timeout=60)
+        assert routed.status_code == 200, routed.text
+        server, rank = engine_of(cluster, routed.headers["x-routed-target"])
+        direct = httpx.post(
+            server.url + "/v1/completions",
+            json=body,
+            headers={"x-data-parallel-rank": str(rank)},
+            timeout=60,
+        )
+        assert direct.json()["choices"][0]["text"] == routed.json()["choices"][0]["text"]
+        assert direct.json()["usage"]["prompt_tokens"] == routed.json()["usage"]["prompt_tokens"]
+    after = _tokenizer_chars(cluster)
+    # the second prompt's chunks up to the last cut in the preamble (cuts every ~2,048 characters)
+    assert after["cached"] - before.get("cached", 0) >= 4_000
+    assert after["encoded"] - before.get("encoded", 0) < len(preamble) + 2_200
     assert_idle(cluster.url)
 
 

@@ -1,0 +1,146 @@
+"""Token ids of long texts that share prefixes with recent ones, without encoding the shared part
+again.
+
+A chat turn carries the whole conversation before it, an agent's call its long system prompt and
+tools, a trace's request the blocks of earlier ones: the router tokenizes each of them to find the
+blocks a rank holds, and most of the text is text it has tokenized seconds before (a 100 k-
+character prompt is 55-75 ms of one core). ``PrefixTokenCache`` cuts a text into chunks of about
+``stride`` characters, always just before a word that follows a space (" word"); keeps each
+chunk's ids under the chained hash of the text up to the chunk's end; and encodes only the chunks
+after the longest prefix it knows, all in one batch call (the library encodes them in parallel,
+without the GIL). llm-d's prefix-cache scorer keeps a tokenization prefix store in the same spirit.
+
+Why it is exact: a byte-level BPE pre-tokenizer (GPT-2's and Llama 3's regexes: most Hugging Face
+tokenizers) always starts a new piece at " word" after a non-space, and BPE never merges across
+pieces, so encoding the chunks apart and joining them gives the ids of the whole text (so does a
+Metaspace pre-tokenizer's). Other tokenizers need not split there (Llama 2's normalizer prepends a
+"▁" to every text it is given, and no pre-tokenizer keeps BPE from merging across words): each
+cache checks its tokenizer on a probe text when it is made, checks its first answers and then one
+in ``VERIFY_EVERY`` against a full encode, and turns itself off, for good, at the first
+difference. Texts under two chunks are encoded as they are.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from array import array
+from collections import OrderedDict
+from itertools import pairwise
+
+import xxhash
+
+logger = logging.getLogger(__name__)
+
+# A cut: a space after a non-space character and before a letter.
+_CUT = re.compile(r"(?<=\S) (?=[^\W\d_])")
+VERIFY_FIRST = 8  # multi-chunk answers checked against a full encode while a cache is new
+VERIFY_EVERY = 256  # then one in this many
+_PROBE = (
+    "The quick brown fox, née Smith, didn't jump over 12 lazy dogs at 3:45pm.\n\n"
+    "  Indented   text\twith tabs; unicode: 日本語 テキスト, émigré café, emoji 🙂 here.\n"
+    "<|im_start|>user\nHello there <|im_end|> and 'quoted' words, x=1+2 [a] {b} (c) ok...\n"
+) * 40
+
+
+class PrefixTokenCache:
+    """``encode(text)`` = ``tokenizer.encode(text, add_special_tokens=False)``, remembering the
+    ids of recent texts' chunks (up to ``capacity_tokens`` in all, least recently used out).
+    ``tokenizer``: this project's lean ``engine.tokenizer.Tokenizer`` (its ``backend`` is a
+    ``tokenizers.Tokenizer``). Thread-safe: the router encodes in worker threads."""
+
+    def __init__(self, tokenizer, stride: int = 2048, capacity_tokens: int = 2_000_000):
+        self.tokenizer, self.backend = tokenizer, tokenizer.backend
+        self.stride, self.capacity_tokens = stride, capacity_tokens
+        self._chunks: OrderedDict[int, array] = OrderedDict()  # chained hash -> the chunk's ids
+        self._tokens = 0
+        self._lock = threading.Lock()
+        self._answers = 0  # multi-chunk encodes so far (for the verification schedule)
+        self.cached_chars = self.encoded_chars = self.mismatches = 0
+        self.enabled = self._encode_chunks(_PROBE, self._cuts(_PROBE, 64)) == self._full(_PROBE)
+        if not self.enabled:
+            logger.info(
+                "tokenizer %s does not split at word starts: its long texts are encoded whole",
+                getattr(tokenizer, "name_or_path", "?"),
+            )
+
+    # ----- the one public call --------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        cuts = self._cuts(text, self.stride) if self.enabled else []
+        if len(cuts) < 3:  # one chunk: nothing to share
+            self.encoded_chars += len(text)
+            return self._full(text)
+        spans = list(pairwise(cuts))
+        keys, parent = [], 0
+        for a, b in spans:
+            parent = xxhash.xxh64_intdigest(text[a:b].encode("utf-8", "surrogatepass"), parent)
+            keys.append(parent)
+        known: list[array] = []
+        with self._lock:
+            for key in keys:
+                ids = self._chunks.get(key)
+                if ids is None:
+                    break
+                self._chunks.move_to_end(key)
+                known.append(ids)
+        held = len(known)
+        rest = self._encode_batch([text[a:b] for a, b in spans[held:]])
+        self.cached_chars += cuts[held]
+        self.encoded_chars += len(text) - cuts[held]
+        fresh = [array("I", ids) for ids in rest]
+        with self._lock:
+            for key, ids in zip(keys[held:], fresh, strict=True):
+                if key not in self._chunks:
+                    self._chunks[key] = ids
+                    self._tokens += len(ids)
+            while self._tokens > self.capacity_tokens and self._chunks:
+                self._tokens -= len(self._chunks.popitem(last=False)[1])
+            self._answers += 1
+            check = self._answers <= VERIFY_FIRST or self._answers % VERIFY_EVERY == 0
+        out = [i for ids in known for i in ids]
+        for ids in rest:
+            out += ids
+        if check and out != self._full(text):
+            self._disable(text)
+            return self._full(text)
+        return out
+
+    # ----- helpers --------------------------------------------------------------------------
+    @staticmethod
+    def _cuts(text: str, stride: int) -> list[int]:
+        """0, each chunk's end, len(text): the first cut at or after every ``stride`` characters
+        from the last one. A text's cuts before position p depend only on text[:p + 1], so two
+        texts sharing a prefix share its chunks."""
+        cuts, pos = [0], stride
+        while pos < len(text):
+            match = _CUT.search(text, pos)
+            if match is None:
+                break
+            cuts.append(match.start())
+            pos = match.start() + stride
+        cuts.append(len(text))
+        return cuts
+
+    def _full(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _encode_batch(self, chunks: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.backend.encode_batch(chunks, add_special_tokens=False)]
+
+    def _encode_chunks(self, text: str, cuts: list[int]) -> list[int]:
+        chunks = [text[a:b] for a, b in pairwise(cuts)]
+        return [i for ids in self._encode_batch(chunks) for i in ids]
+
+    def _disable(self, text: str) -> None:
+        with self._lock:
+            self.mismatches += 1
+            self.enabled = False
+            self._chunks.clear()
+            self._tokens = 0
+        logger.warning(
+            "tokenizer %s: chunked ids differed from the whole text's (%d characters): "
+            "its prefix token cache is off",
+            getattr(self.tokenizer, "name_or_path", "?"),
+            len(text),
+        )

@@ -1,0 +1,127 @@
+"""The prefix token cache (engine/tokenize_cache.py): the ids of a text are always those of one
+whole encode, shared prefixes are taken from the cache, and a tokenizer that does not split at
+word starts turns it off instead of getting other ids."""
+
+import gzip
+import random
+
+import pytest
+from tokenizers import Tokenizer as Backend
+from tokenizers import decoders, models, normalizers, trainers
+
+from engine import tokenize_cache
+from engine.tiny import CORPUS_PATH, ensure_tiny_model
+from engine.tokenize_cache import PrefixTokenCache
+from engine.tokenizer import Tokenizer, load_tokenizer
+
+JUNK = [" ", "  ", "\n", "\n\n", "\t", " 12", "3", "'s", "'", " é", "日本", "🙂", "x", "word",
+        " a", "!!", ".", "<|im_start|>", "<|im_end|>", " ", "\r\n", "e\u0301"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def corpus() -> str:
+    return gzip.open(CORPUS_PATH, "rt").read()
+
+
+@pytest.fixture(scope="module")
+def tiny() -> Tokenizer:
+    return load_tokenizer(str(ensure_tiny_model()))
+
+
+def _texts(corpus: str, rng: random.Random, count: int):
+    for i in range(count):
+        if i % 3 == 0:
+            yield "".join(rng.choice(JUNK) for _ in range(rng.randrange(50, 6000)))
+        else:
+            start = rng.randrange(len(corpus) - 50_000)
+            yield corpus[start : start + rng.randrange(100, 50_000)]
+
+
+def test_ids_are_those_of_a_whole_encode(tiny, corpus):
+    cache = PrefixTokenCache(tiny, stride=256)
+    assert cache.enabled
+    rng = random.Random(7)
+    for text in _texts(corpus, rng, 120):
+        assert cache.encode(text) == tiny.encode(text, add_special_tokens=False)
+    assert cache.mismatches == 0 and cache.enabled
+
+
+def test_a_growing_conversation_encodes_only_its_new_turn(tiny, corpus):
+    cache = PrefixTokenCache(tiny, stride=512)
+    history = corpus[:20_000]
+    assert cache.encode(history) == tiny.encode(history, add_special_tokens=False)
+    assert cache.cached_chars == 0
+    for turn in range(4):
+        reply = corpus[30_000 + turn * 900 :][:900]
+        history += f"\nuser: turn {turn} asks again.\nassistant: {reply}"
+        encoded_before = cache.encoded_chars
+        assert cache.encode(history) == tiny.encode(history, add_special_tokens=False)
+        new_chars = cache.encoded_chars - encoded_before
+        assert new_chars < 2_000  # the new turn and the chunk it finishes, not the history
+    assert cache.cached_chars > 70_000
+
+
+def test_two_prompts_with_one_system_prompt_share_its_chunks(tiny, corpus):
+    cache = PrefixTokenCache(tiny, stride=512)
+    system = corpus[:10_000]
+    a, b = system + " First question here?", system + " A different one, longer than that."
+    cache.encode(a)
+    assert cache.encode(b) == tiny.encode(b, add_special_tokens=False)
+    assert cache.cached_chars >= 9_000
+
+
+def test_the_cache_is_bounded_by_tokens(tiny, corpus):
+    cache = PrefixTokenCache(tiny, stride=256, capacity_tokens=5_000)
+    for i in range(10):
+        text = corpus[i * 20_000 : i * 20_000 + 10_000]
+        assert cache.encode(text) == tiny.encode(text, add_special_tokens=False)
+        assert cache._tokens <= 5_000
+    first = corpus[:10_000]  # the oldest text's chunks are gone: encoded again
+    before = cache.encoded_chars
+    cache.encode(first)
+    assert cache.encoded_chars - before == len(first)
+
+
+def _sentencepiece_like(corpus: str) -> Tokenizer:
+    """Llama 2's tokenizer.json shape: a normalizer that prepends "▁" to every text it is given
+    and no pre-tokenizer, so a text cut before " word" starts with "▁▁word" where the whole text
+    had "▁word"."""
+    backend = Backend(models.BPE(unk_token="<unk>"))
+    backend.normalizer = normalizers.Sequence(
+        [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
+    )
+    backend.decoder = decoders.Metaspace()
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=["<unk>"])
+    backend.train_from_iterator([corpus[:50_000]], trainer=trainer)
+    return Tokenizer(backend, {"unk_token": "<unk>"}, [])
+
+
+def test_a_tokenizer_that_does_not_split_at_word_starts_turns_it_off(corpus):
+    tokenizer = _sentencepiece_like(corpus)
+    cache = PrefixTokenCache(tokenizer, stride=256)
+    assert not cache.enabled  # the probe at construction saw other ids
+    text = corpus[:5_000]
+    assert cache.encode(text) == tokenizer.encode(text, add_special_tokens=False)
+    assert cache.cached_chars == 0
+
+
+def test_a_difference_the_probe_missed_turns_it_off_and_still_answers_right(tiny):
+    # an added token with a space in it: a cut inside it splits what the whole encode keeps as one
+    tiny_spaced = load_tokenizer(str(ensure_tiny_model()))
+    tiny_spaced.backend.add_special_tokens(["<|tool call|>"])
+    cache = PrefixTokenCache(tiny_spaced, stride=256)
+    assert cache.enabled
+    text = "a" * 300 + "<|tool call|>" + " more words" * 40
+    assert cache.encode(text) == tiny_spaced.encode(text, add_special_tokens=False)
+    assert cache.mismatches == 1 and not cache.enabled
+    assert cache.encode(text) == tiny_spaced.encode(text, add_special_tokens=False)
+
+
+def test_answers_are_checked_while_new_then_one_in_many(tiny, corpus, monkeypatch):
+    cache = PrefixTokenCache(tiny, stride=256)
+    checks = []
+    full = cache._full
+    monkeypatch.setattr(cache, "_full", lambda text: checks.append(len(text)) or full(text))
+    for i in range(tokenize_cache.VERIFY_FIRST + tokenize_cache.VERIFY_EVERY):
+        cache.encode(corpus[i * 100 : i * 100 + 2_000])
+    assert len(checks) == tokenize_cache.VERIFY_FIRST + 1
