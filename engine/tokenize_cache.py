@@ -18,6 +18,9 @@ Metaspace pre-tokenizer's). Other tokenizers need not split there (Llama 2's nor
 cache checks its tokenizer on a probe text when it is made, checks its first answers and then one
 in ``VERIFY_EVERY`` against a full encode, and turns itself off, for good, at the first
 difference. Texts under two chunks are encoded as they are.
+
+``encode_text`` is the call the router and the engine's front make: one cache per tokenizer,
+made on first use, for texts of ``2 * STRIDE`` characters or more.
 """
 
 from __future__ import annotations
@@ -30,11 +33,13 @@ from collections import OrderedDict
 from itertools import pairwise
 
 import xxhash
+from tokenizers import Tokenizer as Backend
 
 logger = logging.getLogger(__name__)
 
 # A cut: a space after a non-space character and before a letter.
 _CUT = re.compile(r"(?<=\S) (?=[^\W\d_])")
+STRIDE = 2048  # characters per chunk
 VERIFY_FIRST = 8  # multi-chunk answers checked against a full encode while a cache is new
 VERIFY_EVERY = 256  # then one in this many
 _PROBE = (
@@ -47,11 +52,11 @@ _PROBE = (
 class PrefixTokenCache:
     """``encode(text)`` = ``tokenizer.encode(text, add_special_tokens=False)``, remembering the
     ids of recent texts' chunks (up to ``capacity_tokens`` in all, least recently used out).
-    ``tokenizer``: this project's lean ``engine.tokenizer.Tokenizer`` (its ``backend`` is a
-    ``tokenizers.Tokenizer``). Thread-safe: the router encodes in worker threads."""
+    ``tokenizer``: this project's lean ``engine.tokenizer.Tokenizer`` or a transformers fast
+    tokenizer (``backend_of``). Thread-safe: the router and the front encode in worker threads."""
 
-    def __init__(self, tokenizer, stride: int = 2048, capacity_tokens: int = 2_000_000):
-        self.tokenizer, self.backend = tokenizer, tokenizer.backend
+    def __init__(self, tokenizer, stride: int = STRIDE, capacity_tokens: int = 2_000_000):
+        self.tokenizer, self.backend = tokenizer, backend_of(tokenizer)
         self.stride, self.capacity_tokens = stride, capacity_tokens
         self._chunks: OrderedDict[int, array] = OrderedDict()  # chained hash -> the chunk's ids
         self._tokens = 0
@@ -144,3 +149,48 @@ class PrefixTokenCache:
             getattr(self.tokenizer, "name_or_path", "?"),
             len(text),
         )
+
+
+_CACHES: dict = {}  # tokenizer -> its PrefixTokenCache (None: not a lean one)
+_CACHES_LOCK = threading.Lock()
+
+
+def backend_of(tokenizer) -> Backend | None:
+    """The ``tokenizers.Tokenizer`` under ``tokenizer``: ours keeps it as ``backend``,
+    transformers' fast tokenizers as ``_tokenizer``; None for any other kind."""
+    for name in ("backend", "_tokenizer"):
+        backend = getattr(tokenizer, name, None)
+        if isinstance(backend, Backend):
+            return backend
+    return None
+
+
+def prefix_token_cache(tokenizer) -> PrefixTokenCache | None:
+    """The prefix token cache of ``tokenizer`` (one per tokenizer, made on first use); None for
+    one without a ``tokenizers`` backend."""
+    with _CACHES_LOCK:
+        if tokenizer not in _CACHES:
+            known = backend_of(tokenizer) is not None
+            _CACHES[tokenizer] = PrefixTokenCache(tokenizer) if known else None
+        return _CACHES[tokenizer]
+
+
+def encode_text(tokenizer, text: str) -> list[int]:
+    """``tokenizer.encode(text, add_special_tokens=False)``; a long text through the tokenizer's
+    prefix token cache."""
+    cache = prefix_token_cache(tokenizer) if len(text) >= 2 * STRIDE else None
+    if cache is not None:
+        return cache.encode(text)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def counters() -> dict[str, int]:
+    """Over this process's caches: characters taken from them, characters encoded through them,
+    and caches turned off by a chunked encode that differed from the whole text's."""
+    with _CACHES_LOCK:
+        caches = [c for c in _CACHES.values() if c is not None]
+    return {
+        "cached": sum(c.cached_chars for c in caches),
+        "encoded": sum(c.encoded_chars for c in caches),
+        "mismatches": sum(c.mismatches for c in caches),
+    }

@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from apps.routing.request_shape import tokenizer_counters
+from engine.tokenize_cache import counters as tokenizer_counters
 
 PREFIX = "dpmesh_router"
 

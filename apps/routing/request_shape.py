@@ -15,20 +15,16 @@ import asyncio
 import functools
 import logging
 import os
-import threading
 
 import xxhash
 
 from engine.digests import chain_digests
 from engine.server.openai_api import OFF_LOOP_CHARS, prompt_text_chars
-from engine.tokenize_cache import PrefixTokenCache
+from engine.tokenize_cache import encode_text
 
 logger = logging.getLogger(__name__)
 
 CHUNK_CHARS = 64
-PREFIX_STRIDE = 2048  # characters per chunk of the prefix token caches
-_PREFIX_CACHES: dict = {}  # tokenizer -> its PrefixTokenCache (None: not a lean one)
-_PREFIX_CACHES_LOCK = threading.Lock()
 
 
 @functools.lru_cache(maxsize=16)
@@ -60,38 +56,6 @@ def tokenizer_or_none(path: str):
             "cannot load the tokenizer at %s: routing on text digests", path, exc_info=True
         )
         return None
-
-
-def prefix_token_cache(tokenizer) -> PrefixTokenCache | None:
-    """The prefix token cache of a lean tokenizer (one per tokenizer, made on first use); None for
-    a transformers one."""
-    with _PREFIX_CACHES_LOCK:
-        if tokenizer not in _PREFIX_CACHES:
-            lean = hasattr(tokenizer, "backend")
-            _PREFIX_CACHES[tokenizer] = PrefixTokenCache(tokenizer, PREFIX_STRIDE) if lean else None
-        return _PREFIX_CACHES[tokenizer]
-
-
-def encode_text(tokenizer, text: str) -> list[int]:
-    """``tokenizer.encode(text, add_special_tokens=False)``; a long text through the tokenizer's
-    prefix token cache (engine/tokenize_cache.py: the part a recent prompt shared, a chat's
-    history or a long system prompt, is not encoded again)."""
-    cache = prefix_token_cache(tokenizer) if len(text) >= 2 * PREFIX_STRIDE else None
-    if cache is not None:
-        return cache.encode(text)
-    return tokenizer.encode(text, add_special_tokens=False)
-
-
-def tokenizer_counters() -> dict[str, int]:
-    """Over all prefix token caches: characters taken from them, characters encoded through
-    them, and the caches turned off by a chunked encode that differed from the whole one."""
-    with _PREFIX_CACHES_LOCK:
-        caches = [c for c in _PREFIX_CACHES.values() if c is not None]
-    return {
-        "cached": sum(c.cached_chars for c in caches),
-        "encoded": sum(c.encoded_chars for c in caches),
-        "mismatches": sum(c.mismatches for c in caches),
-    }
 
 
 def _message_text(content) -> str:

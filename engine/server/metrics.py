@@ -6,6 +6,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from engine.server.frontend import EngineClient
+from engine.tokenize_cache import counters as tokenizer_counters
 
 PREFIX = "dpmesh_engine"
 
@@ -118,6 +119,16 @@ class RankCollector:
             for state in self.client.ranks:
                 family.add_metric([self.model_name, str(state.rank)], read(state))
             yield family
+        counts = tokenizer_counters()  # the front's: it encodes for every rank
+        family = CounterMetricFamily(
+            f"{PREFIX}_tokenizer_chars",
+            "Prompt characters of long texts the front tokenized: taken from its prefix token "
+            "cache (cached) or encoded",
+            labels=["model_name", "source"],
+        )
+        for source in ("cached", "encoded"):
+            family.add_metric([self.model_name, source], counts[source])
+        yield family
 
 
 def make_registry(client: EngineClient, model_name: str) -> CollectorRegistry:

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass
 
 from engine.sampling_params import SamplingParams
+from engine.tokenize_cache import encode_text
 
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 _HEADER_INT = re.compile(r"^-?\d+$")
@@ -147,7 +148,7 @@ def completion_prompt(
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str) and prompt:
-        return given if given is not None else tokenizer.encode(prompt, add_special_tokens=False)
+        return given if given is not None else encode_text(tokenizer, prompt)
     if isinstance(prompt, list) and prompt and all(map(_is_int, prompt)):
         if not all(0 <= t < vocab_size for t in prompt):
             raise APIError(400, f"prompt token ids must be in [0, {vocab_size})", param="prompt")
@@ -256,7 +257,7 @@ def chat_prompt(body: dict, tokenizer, given: list[int] | None = None) -> list[i
     if given is not None:
         return given
     text = tokenizer.apply_chat_template(clean, add_generation_prompt=True, tokenize=False)
-    return tokenizer.encode(text, add_special_tokens=False)
+    return encode_text(tokenizer, text)
 
 
 def parse(

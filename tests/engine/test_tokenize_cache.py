@@ -125,3 +125,20 @@ def test_answers_are_checked_while_new_then_one_in_many(tiny, corpus, monkeypatc
     for i in range(tokenize_cache.VERIFY_FIRST + tokenize_cache.VERIFY_EVERY):
         cache.encode(corpus[i * 100 : i * 100 + 2_000])
     assert len(checks) == tokenize_cache.VERIFY_FIRST + 1
+
+
+def test_a_transformers_fast_tokenizer_gets_one_too(corpus):
+    """The real engine's front encodes with transformers' tokenizer: its ``tokenizers`` backend
+    is cut the same way, and the ids stay those of its own ``encode``."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(ensure_tiny_model()))
+    cache = tokenize_cache.prefix_token_cache(tokenizer)
+    assert cache is not None and cache.enabled
+    history = corpus[:9_000]
+    for turn in ("\nuser: and then?", "\nassistant: then this.\nuser: and after that?"):
+        history += turn
+        assert tokenize_cache.encode_text(tokenizer, history) == tokenizer.encode(
+            history, add_special_tokens=False
+        )
+    assert cache.cached_chars >= 8_000 and cache.mismatches == 0

@@ -570,6 +570,51 @@ def test_a_prompt_sharing_a_long_prefix_encodes_only_its_new_part_and_the_ids_st
     assert_idle(cluster.url)
 
 
+def test_a_chat_turn_is_encoded_by_the_engine_only_past_its_history(cluster):
+    """A chat's next turn carries its history: the router and the engine's front each take the
+    history's chunks from their prefix token caches, and the engine computes exactly the ids of
+    the whole rendered conversation (the same answer and prompt tokens as those ids sent as a
+    completion prompt, encoded here in one piece)."""
+    from engine.tiny import ensure_tiny_model
+    from engine.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(str(ensure_tiny_model()))
+    rules = (f"Rule {i} says to answer in {i % 5 + 1} words." for i in range(130))
+    messages = [{"role": "system", "content": " ".join(rules)}, {"role": "user", "content": "Hi?"}]
+
+    def engine_cached() -> float:
+        return sum(
+            value
+            for server in (cluster.engine, cluster.spare)
+            for name, labels, value in prom(server.url)
+            if name == "dpmesh_engine_tokenizer_chars_total" and labels["source"] == "cached"
+        )
+
+    before = engine_cached()
+    body = {"model": "tiny", "messages": messages, "max_tokens": 4, "temperature": 0}
+    first = httpx.post(cluster.url + "/v1/chat/completions", json=body, timeout=60)
+    assert first.status_code == 200, first.text
+    messages += [
+        {"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "And rule 7, in short?"},
+    ]
+    second = httpx.post(cluster.url + "/v1/chat/completions", json=body, timeout=60)
+    assert second.status_code == 200, second.text
+    assert engine_cached() - before >= 4_000  # the system prompt's chunks, not encoded again
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    server, rank = engine_of(cluster, second.headers["x-routed-target"])
+    direct = httpx.post(
+        server.url + "/v1/completions",
+        json={"model": "tiny", "prompt": ids, "max_tokens": 4, "temperature": 0},
+        headers={"x-data-parallel-rank": str(rank)},
+        timeout=60,
+    )
+    assert second.json()["usage"]["prompt_tokens"] == len(ids)
+    assert direct.json()["choices"][0]["text"] == second.json()["choices"][0]["message"]["content"]
+    assert_idle(cluster.url)
+
+
 @pytest.mark.parametrize("chat", [False, True])
 def test_openai_client_streaming_usage_only_when_asked(oai, cluster, chat):
     def stream(**extra):
