@@ -31,9 +31,15 @@ def block_digest(parent: int | None, token_ids: Sequence[int]) -> int:
 def chain_digests(
     token_ids: Sequence[int], block_size: int, parent: int | None = None
 ) -> list[int]:
-    """Digests of every full block of ``token_ids`` (a trailing partial block has none)."""
+    """Digests of every full block of ``token_ids`` (a trailing partial block has none): the same
+    as ``block_digest`` block by block, with the ids made bytes once (the router digests every
+    request's whole prompt, ~1,000 blocks for a 15 k-token one, on its event loop)."""
+    data = np.asarray(token_ids, dtype="<i4").tobytes()
+    width = 4 * block_size
+    digest, pack = xxhash.xxh64_intdigest, _U64.pack
     digests = []
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = block_digest(parent, token_ids[start : start + block_size])
+    for start in range(0, len(token_ids) // block_size * width, width):
+        block = data[start : start + width]
+        parent = digest(block if parent is None else pack(parent) + block, seed=0)
         digests.append(parent)
     return digests

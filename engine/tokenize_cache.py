@@ -103,9 +103,10 @@ class PrefixTokenCache:
                 self._tokens -= len(self._chunks.popitem(last=False)[1])
             self._answers += 1
             check = self._answers <= VERIFY_FIRST or self._answers % VERIFY_EVERY == 0
-        out = [i for ids in known for i in ids]
-        for ids in rest:
-            out += ids
+        joined = array("I")  # joined in C, not int by int (this holds the GIL)
+        for ids in known + fresh:
+            joined.extend(ids)
+        out = joined.tolist()
         if check and out != self._full(text):
             self._disable(text)
             return self._full(text)

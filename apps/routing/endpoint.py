@@ -15,7 +15,6 @@ or 503 while the process drains); the slot it was given is released however the 
 
 from __future__ import annotations
 
-import json
 import re
 
 from apps.replicas.auth import INVALID_API_KEY_BODY, api_key_allowed, scope_authorization
@@ -24,7 +23,7 @@ from apps.routing.router import Router
 from apps.routing.sessions import session_of
 from apps.routing.upstream import ProxyError, proxy_request
 from engine.server.asgi import BodyTooLarge, ClientGone, read_body, send_body, until_disconnect
-from engine.server.openai_api import APIError, rank_hint
+from engine.server.openai_api import APIError, rank_hint, strict_json
 
 PATHS = {"/v1/completions": False, "/v1/chat/completions": True}  # path -> chat?
 MAX_BODY_BYTES = 16 * 2**20
@@ -127,7 +126,7 @@ def client_rank(router: Router, body: dict, scope) -> int | None:
 
 def parse(raw: bytes) -> dict:
     try:
-        body = json.loads(raw)
+        body = strict_json(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise ProxyError(400, f"the request body is not valid JSON: {exc}") from exc
     if not isinstance(body, dict):

@@ -53,7 +53,7 @@ async def read_json(receive, limit: int):
     except BodyTooLarge as exc:
         raise api.APIError(413, str(exc)) from exc
     try:
-        return json.loads(raw)
+        return api.strict_json(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise api.APIError(400, f"the request body is not valid JSON: {exc}") from exc
 

@@ -6,6 +6,7 @@ Parsing is strict: every value is type-checked before anything is queued, and a 
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from dataclasses import dataclass
@@ -138,6 +139,17 @@ def sampling_params(body: dict, default_max_tokens: int) -> SamplingParams:
         ),
         ignore_eos=_opt(body, "ignore_eos", lambda v: isinstance(v, bool), "a boolean", False),
     )
+
+
+def strict_json(raw: bytes | str):
+    """``json.loads`` without the NaN / Infinity / -Infinity that Python's json accepts and JSON
+    does not: a body that carries one is a 400 (it would also come out of a re-encoding as null,
+    msgspec's choice, not as what the client sent)."""
+    return json.loads(raw, parse_constant=_not_json)
+
+
+def _not_json(constant: str):
+    raise ValueError(f"{constant} is not a JSON value")
 
 
 def completion_prompt(

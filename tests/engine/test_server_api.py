@@ -142,6 +142,7 @@ def test_server_info_and_models(engine):
 BAD_INPUTS = [
     ("completions", b"{not json", 400),
     ("completions", b"[1, 2]", 400),
+    ("completions", b'{"prompt": "hi", "temperature": NaN}', 400),
     ("completions", {"max_tokens": 4}, 400),
     ("completions", {"prompt": ""}, 400),
     ("completions", {"prompt": []}, 400),

@@ -1,0 +1,65 @@
+"""What the router reads from a client and writes to an engine: strict JSON in (no NaN or
+Infinity, which Python's json takes and JSON has not), the same object out whichever encoder wrote
+it (msgspec, or json for what msgspec refuses)."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from apps.routing.endpoint import ProxyError, parse
+from apps.routing.upstream import upstream_payload
+from engine.digests import block_digest, chain_digests
+
+
+@pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
+def test_a_body_with_a_non_json_constant_is_a_400(constant):
+    with pytest.raises(ProxyError) as err:
+        parse(b'{"prompt": "hi", "temperature": ' + constant.encode() + b"}")
+    assert err.value.status == 400 and "not valid JSON" in str(err.value.message)
+
+
+@pytest.mark.parametrize(
+    "prompt", ["plain", 'café 東京 🙂 "quoted" \\ back\nslash', "lone \ud800 surrogate"]
+)
+def test_the_upstream_body_is_the_clients_plus_the_routers_fields(prompt):
+    dispatch = SimpleNamespace(target=SimpleNamespace(rank=3))
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 2**70, "dpmesh_prompt_token_ids": [9]}
+    out = json.loads(upstream_payload(body, dispatch, stream=True, ids=[1, 2, 3]))
+    assert out == {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": 2**70,
+        "dpmesh_prompt_token_ids": [1, 2, 3],
+        "data_parallel_rank": 3,
+        "stream_options": {"include_usage": True},
+    }
+
+
+def test_chained_digests_are_block_digests_chained():
+    ids = [(i * 7919) % 4096 for i in range(16 * 9 + 5)]
+    parent, expected = None, []
+    for start in range(0, 16 * 9, 16):
+        parent = block_digest(parent, ids[start : start + 16])
+        expected.append(parent)
+    assert chain_digests(ids, 16) == expected
+    assert chain_digests(ids[16:], 16, parent=expected[0]) == expected[1:]
+    assert chain_digests(ids[:15], 16) == []
+
+
+@pytest.mark.parametrize(
+    "event, usage",
+    [
+        (b'data: {"choices": [{"text": "a"}], "usage": null}', None),
+        (b'data: {"choices":[{"text":"a"}],"usage":null}', None),
+        (b'data: {"choices": [{"text": "say \\"usage\\": {\\"x\\": 1}"}], "usage": null}', None),
+        (b'data: {"choices": [], "usage": {"prompt_tokens": 3}}', {"prompt_tokens": 3}),
+        (b'data: {"choices":[],"usage":{"prompt_tokens":3}}', {"prompt_tokens": 3}),
+        (b'data: {"choices": [{"text": "no usage key"}]}', None),
+        (b"data: [DONE]", None),
+    ],
+)
+def test_the_usage_of_a_stream_event(event, usage):
+    from apps.routing.upstream import usage_of
+
+    assert usage_of(event) == usage
