@@ -76,17 +76,21 @@ class PrefixIndex:
 
     def insert(self, key: str, digests: list[int]) -> None:
         """Record that rank ``key`` now holds ``digests`` (most recently used)."""
+        # names bound once: a 15 k-token prompt is ~1,000 digests, twice a request (here and from
+        # the engine's KV events), on the router's event loop
+        first_child, branching = self.first_child, self.branching
         for parent, child in zip(digests, digests[1:], strict=False):
-            if self.first_child.setdefault(parent, child) != child:
-                self.branching.add(parent)
+            if first_child.setdefault(parent, child) != child:
+                branching.add(parent)
         now = self.clock()
         lru = self.ranks.setdefault(key, OrderedDict())
+        owners, to_end = self.owners, lru.move_to_end
         # the head ends most recent: like the engine, evict tails first
         for digest in reversed(digests):
             if digest in lru:
-                lru.move_to_end(digest)
+                to_end(digest)
             else:
-                self.owners.setdefault(digest, set()).add(key)
+                owners.setdefault(digest, set()).add(key)
             lru[digest] = now
         self._trim(key)
 
