@@ -35,6 +35,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--dtype", default=None, help="engine dtype (default: the engine's default)")
+    p.add_argument(
+        "--model-impl",
+        default=None,
+        help="native, transformers or auto (default: the engine's default)",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-num-seqs", type=int, default=64)
@@ -59,6 +64,8 @@ def make_engine(args):
     }
     if args.dtype:
         kw["dtype"] = args.dtype
+    if args.model_impl:
+        kw["model_impl"] = args.model_impl
     return LLMEngine(EngineConfig(**kw))
 
 
@@ -127,7 +134,8 @@ def main(argv=None) -> None:
         return [shared[i % len(shared)] + ids(args.input_len) for i in range(n)]
 
     print(
-        f"model={args.model} dtype={engine.config.dtype} threads={torch.get_num_threads()} "
+        f"model={args.model} dtype={engine.config.dtype} impl={engine.runner.model_impl} "
+        f"threads={torch.get_num_threads()} "
         f"concurrency={args.concurrency} prompts={args.num_prompts} "
         f"{args.input_len} in / {args.output_len} out"
     )

@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# "auto": the native forward pass (engine.native_llama) when the model qualifies, else
+# transformers'; "native" requires it; "transformers" always runs the transformers modules.
+MODEL_IMPLS = ("auto", "native", "transformers")
 
 
 @dataclass
@@ -29,6 +32,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's own limit
     device: str = "cpu"
     dtype: str = "auto"  # "auto" (the checkpoint's own dtype), "float32", "bfloat16", "float16"
+    model_impl: str = "auto"  # one of MODEL_IMPLS
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
     stats_interval: int = 100  # log [Cache Stats] every this many finished requests
     enable_prefix_caching: bool = True
@@ -51,5 +55,9 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens must be at least one block")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.model_impl not in MODEL_IMPLS:
+            raise ValueError(
+                f"model_impl must be one of {', '.join(MODEL_IMPLS)}, got {self.model_impl!r}"
+            )
         if not self.simulate_speedup > 0:
             raise ValueError(f"simulate_speedup must be > 0, got {self.simulate_speedup}")

@@ -2,10 +2,12 @@
 
 The model is loaded through ``AutoModelForCausalLM`` exactly as a user's local checkpoint is,
 with ``attn_implementation="dpmesh_paged"``: an attention function registered in transformers'
-``AttentionInterface``. Every decoder layer still does its own projections, RoPE, MLP and norms;
-only attention is ours. It writes the step's new keys and values into the paged pool and attends
-each query to its sequence's cached blocks, so a cached prefix is never recomputed: the forward
-pass covers just the uncached tokens of every scheduled sequence, packed into one row.
+``AttentionInterface``. A Llama-architecture model then runs through ``engine.native_llama``
+(``EngineConfig.model_impl``): the same function with fused projections and far fewer ops;
+anything else runs through transformers' decoder layers, with only attention ours. Either way
+``attend`` writes the step's new keys and values into the paged pool and attends each query to
+its sequence's cached blocks, so a cached prefix is never recomputed: the forward pass covers
+just the uncached tokens of every scheduled sequence, packed into one row.
 
 Decodes that share a cached prefix (the same leading block ids: a system prompt, a few-shot
 preamble) attend to it once, together (cascade attention): on the CPU each group's queries meet
@@ -88,19 +90,25 @@ def paged_attention(
     packed step; returns [1, T, H, D] as transformers expects."""
     if paged is None:
         raise RuntimeError(f"{ATTN_IMPLEMENTATION} attention needs the engine's step context")
-    k_blocks, v_blocks = paged.kv[0, module.layer_idx], paged.kv[1, module.layer_idx]
+    return attend(module.layer_idx, query[0], key[0], value[0], paged, scaling).unsqueeze(0), None
+
+
+def attend(layer: int, q, key, value, paged: PagedContext, scaling) -> torch.Tensor:
+    """Layer ``layer``'s attention for the packed step: writes the new ``key`` / ``value``
+    [KVH, T, D] into the pool, attends the queries ``q`` [H, T, D] (any strides) and returns
+    [T, H, D]."""
+    k_blocks, v_blocks = paged.kv[0, layer], paged.kv[1, layer]
     kv_heads, _, _, head_dim = k_blocks.shape  # [KVH, blocks, block_size, D]
     # Write every new token first: a sequence admitted in this step may read blocks that another
     # sequence of the same step is computing (the scheduler published them already).
-    k_blocks.view(kv_heads, -1, head_dim).index_copy_(1, paged.slot_mapping, key[0])
-    v_blocks.view(kv_heads, -1, head_dim).index_copy_(1, paged.slot_mapping, value[0])
-    q = query[0]  # [H, T, D]
+    k_blocks.view(kv_heads, -1, head_dim).index_copy_(1, paged.slot_mapping, key)
+    v_blocks.view(kv_heads, -1, head_dim).index_copy_(1, paged.slot_mapping, value)
     out = q.new_empty(q.shape[1], q.shape[0], q.shape[2])  # [T, H, D]
     for seg in paged.prefills:
         qs = q[:, seg.q_start : seg.q_start + seg.q_len].unsqueeze(0)
         if seg.blocks is None:  # nothing cached: the keys are this step's own
-            k = key[:, :, seg.q_start : seg.q_start + seg.q_len]
-            v = value[:, :, seg.q_start : seg.q_start + seg.q_len]
+            k = key[None, :, seg.q_start : seg.q_start + seg.q_len]
+            v = value[None, :, seg.q_start : seg.q_start + seg.q_len]
         else:  # gather whole blocks (per head, contiguous rows), then trim to the context
             k = k_blocks.index_select(1, seg.blocks).view(kv_heads, -1, head_dim)
             v = v_blocks.index_select(1, seg.blocks).view(kv_heads, -1, head_dim)
@@ -124,7 +132,7 @@ def paged_attention(
             qd, k, v, attn_mask=paged.decode_mask, scale=scaling, enable_gqa=True
         )
         out[paged.decode_index] = o[:, :, 0]
-    return out.unsqueeze(0), None
+    return out
 
 
 def _decode_keys(k_blocks, v_blocks, paged: PagedContext):
@@ -210,6 +218,8 @@ class ModelRunner:
             .eval()
         )
         self.dtype = self.model.dtype  # "auto" resolved: the checkpoint's own dtype
+        self.native = self._native_model(config.model_impl)
+        self.model_impl = "transformers" if self.native is None else "native"
         mc = self.model.config
         self.num_layers = mc.num_hidden_layers
         self.num_kv_heads = getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads
@@ -234,6 +244,21 @@ class ModelRunner:
             self.block_size,
             self.kv_bytes / 2**20,
         )
+
+    def _native_model(self, model_impl: str):
+        """``engine.native_llama``'s forward pass for the model, or None for transformers'."""
+        # imported here: native_llama calls this module's ``attend``
+        from engine.native_llama import NativeLlama, unsupported_reason
+
+        if model_impl == "transformers":
+            return None
+        reason = unsupported_reason(self.model)
+        if reason is None:
+            return NativeLlama(self.model)
+        if model_impl == "native":
+            raise ValueError(f"model_impl='native' cannot run this model: {reason}")
+        logger.info("transformers forward pass: no native one for this model (%s)", reason)
+        return None
 
     @property
     def vocab_size(self) -> int:
@@ -350,15 +375,19 @@ class ModelRunner:
                 last.append(len(input_ids) - 1)
         paged = self._context(batch)
         keep = torch.tensor(last if last else [len(input_ids) - 1], device=self.device)
-        out = self.model(
-            input_ids=torch.tensor([input_ids], device=self.device),
-            position_ids=torch.tensor([positions], device=self.device),
-            use_cache=False,
-            logits_to_keep=keep,
-            paged=paged,
-        )
+        ids = torch.tensor(input_ids, device=self.device)
+        pos = torch.tensor(positions, device=self.device)
+        if self.native is not None:
+            logits = self.native.forward(ids, pos, keep, paged)
+        else:
+            logits = self.model(
+                input_ids=ids[None],
+                position_ids=pos[None],
+                use_cache=False,
+                logits_to_keep=keep,
+                paged=paged,
+            ).logits[0]
         if not last:
             return []
-        logits = out.logits[0].float()
         seqs = [item.seq for item in batch.items if item.samples]
-        return sample(logits, seqs, self.generator)
+        return sample(logits.float(), seqs, self.generator)

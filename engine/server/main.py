@@ -9,7 +9,7 @@ import sys
 import threading
 import uuid
 
-from engine.config import DTYPES
+from engine.config import DTYPES, MODEL_IMPLS
 from engine.digests import SCHEME
 from engine.sim.profiles import PROFILES, get_profile
 
@@ -75,6 +75,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         choices=list(DTYPES),
         help="weights and KV cache dtype; auto: the checkpoint's own (the tiny model: float32)",
+    )
+    parser.add_argument(
+        "--model-impl",
+        default="auto",
+        choices=list(MODEL_IMPLS),
+        help="forward pass: native (engine/native_llama.py: Llama, Mistral, Qwen2), transformers "
+        "(its decoder modules), or auto: native when the model qualifies",
     )
     parser.add_argument(
         "--threads-per-rank",
@@ -220,6 +227,7 @@ def engine_config(args, model_path: str):
         max_model_len=args.max_model_len,
         device="cpu" if profile else resolve_device(args.device),
         dtype=args.dtype,
+        model_impl=args.model_impl,
         stats_interval=args.cache_stats_interval,
         simulate=args.simulate,
         simulate_speedup=args.simulate_speedup,
