@@ -196,8 +196,12 @@ class EngineClient:
     def _call(self, fn, *args) -> None:
         if self.loop is None:
             fn(*args)
-        else:
+            return
+        try:
             self.loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop closed first: the server is stopping, no one is waiting
+            if not (self.stopping or self.loop.is_closed()):
+                raise
 
     def _on_outputs(self, state: RankState, msg: Outputs) -> None:
         if msg.stats is not None:

@@ -52,3 +52,26 @@ def test_dead_rank_fails_its_requests_and_health(tmp_path):
         assert m[("rank_up", 1)] == 0 and m[("rank_up", 0)] == 1
         assert m[("inflight_requests", 0)] == 0 and m[("inflight_requests", 1)] == 0
     assert "DP rank 1 died" in engine.log()
+
+
+def test_a_rank_that_ends_after_the_loop_closed_is_no_error_at_shutdown():
+    """At SIGTERM the front's loop may close before a rank's reader thread sees its pipe end; the
+    reader's last call then has no loop to go to, and that is the stop, not a failure."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from engine.server.frontend import EngineClient
+
+    loop = asyncio.new_event_loop()
+    loop.close()
+    stopping = SimpleNamespace(loop=loop, stopping=True)
+    EngineClient._call(stopping, lambda: None)  # no RuntimeError
+    running = SimpleNamespace(loop=loop, stopping=False)
+    EngineClient._call(running, lambda: None)  # closed: nothing to tell either
+    live = asyncio.new_event_loop()
+    calls = []
+    EngineClient._call(SimpleNamespace(loop=live, stopping=False), calls.append, 1)
+    live.call_soon(live.stop)
+    live.run_forever()
+    live.close()
+    assert calls == [1]
