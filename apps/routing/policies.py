@@ -79,8 +79,9 @@ class CacheAware(Policy):
             + balance_weight x pressure x excess(t)
                                                                 (where sessions pile up over time)
             + seat_weight x requests beyond t's seats          (it waits for a running one to end)
-            + volume_weight x prompt x volume excess(t), capped  (only for a prompt cached nowhere:
-                                                                 each rank's share of the work)
+            + volume_weight x prompt x volume excess(t), capped  (a prompt cached nowhere, or on
+                                                                 several holders: each rank's
+                                                                 share of the work)
 
     "Private" blocks are matched blocks past the deepest shared branch point
     (``PrefixIndex.shared_blocks``): one session's own history. A shared prefix (a system prompt
@@ -109,7 +110,11 @@ class CacheAware(Policy):
     behind it. Without it the cost is one request's time to first token, and under load a hot
     shared prefix is copied whenever its home's queue is a little longer than the prefix: measured
     on the Mooncake trace (bench/routing_lab.py, DP 4), 0.87 of the oracle's hits, 0.97 with it,
-    at the same TTFT.
+    at the same TTFT. The floor is 8, the cap (so on a busy fleet every recomputed token is charged
+    8 times): at 2, a prompt almost wholly cached on a rank busy with one big prefill still left
+    for a copy whenever that prefill was three times its cached part (on the trace 0.5-1 % of the
+    requests, each recomputing all of its cached prefix: 0.98-0.99 of the oracle's hits); at 8,
+    0.998-0.999 where the caches hold the trace, TTFT mean 1-6 % higher.
 
     ``seat_weight`` charges a target whose engine already runs as many requests as it has seats
     (its ``max_num_seqs``, when discovery knows it): a request sent there waits in the engine
@@ -126,14 +131,20 @@ class CacheAware(Policy):
     that make a rank's share) is steered by up to ``volume_weight x cap`` = 2x its size, a short
     one hardly at all, so a burst of short requests still spreads by the queues (a flat pull of
     32 k tokens sent a burst of six short new sessions all to the one rank that had served
-    nothing yet). It weighs only on a prompt no target holds any of, the one request
-    that is free to go anywhere: a prefix's later requests stay with their cache, and the new
-    prompts make up for them. On the Mooncake trace (bench/routing_lab.py), whose requests mostly
-    find every queue empty, each rank's share drifted like a random walk (one rank of four at 1.18x
-    the mean prompt tokens after 1,500 requests), and over the whole trace a few prefixes reused
-    up to twenty times at 56-76 k tokens each put up to 1.1 M tokens more on one rank of eight
-    (1.22x). With the term: 1.01-1.16x, at the same TTFT (docs/benchmarks.md, "The ranks' share
-    of the work").
+    nothing yet). It weighs only where a request is free to go: anywhere for a prompt no target
+    holds any of, and among its prefix's holders when there are several (there only as a pull
+    toward the least loaded holder, never away from the cache); a prefix's later requests stay
+    with their cache, and the new prompts make up for them. Its pull (a target below the mean)
+    counts only on a target whose prefill queue is as short as the shortest (``volumes``): it
+    chooses among the ranks that can start the prompt now and never buys a wait, since a new
+    prompt pulled into a light rank's queue lengthened it for the prefix requests that came next,
+    and those left their cache for a copy (on the trace 0.971 of the oracle's hits -> 0.985 at
+    DP 4, 1,500 requests, same balance). On the Mooncake trace (bench/routing_lab.py), whose
+    requests mostly find every queue empty, each rank's share drifted like a random walk (one
+    rank of four at 1.18x the mean prompt tokens after 1,500 requests), and over the whole trace
+    a few prefixes reused up to twenty times at 56-76 k tokens each put up to 1.1 M tokens more
+    on one rank of eight (1.22x). With the term: 1.00-1.05x, at the same TTFT (docs/benchmarks.md,
+    "The ranks' share of the work").
 
     The lowest cost wins; targets within ``slack`` tokens of it count as tied and go to the one
     with the fewest active sessions plus requests in flight, then the fewest requests lately, then
@@ -150,7 +161,7 @@ class CacheAware(Policy):
         balance_weight: float = 512.0,
         slack: float = 32.0,
         new_session_slack: float = 256.0,
-        rework_floor: float = 2.0,
+        rework_floor: float = 8.0,
         rework_cap: float = 8.0,
         seat_weight: float = 2048.0,
         volume_weight: float = 8.0,
@@ -195,11 +206,9 @@ class CacheAware(Policy):
             # (its system prompt) to where it lands is paid once for all its later turns, and
             # where sessions start is the balance term's to decide
             rework = 0.0
-        # a prompt cached nowhere may start anywhere: it evens out the ranks' share of the work
-        spread = shape.volume_excess if best_match == 0 and shape.volume_excess else {}
-        cap = self.volume_cap
+        volumes = self.volumes(targets, shape, hits, best_match)
         out = []
-        for t, hit, n, live in zip(targets, hits, inflight, sessions, strict=True):
+        for t, hit, n, live, volume in zip(targets, hits, inflight, sessions, volumes, strict=True):
             stranded = max(0, best_match - max(hit, shared))
             # now (requests in flight) and the near future (sessions that keep coming back here)
             excess = (
@@ -215,10 +224,38 @@ class CacheAware(Policy):
                 + rework * (best_match - hit)
                 + self.balance_weight * pressure * self.one_sided(excess, hit, shared, hot)
                 + self.seat_weight * self.beyond_seats(t, n)
-                + self.volume_weight
-                * shape.prompt_tokens
-                * max(-cap, min(cap, spread.get(t.key, 0.0)))
+                + self.volume_weight * shape.prompt_tokens * volume
             )
+        return out
+
+    def volumes(
+        self, targets: list[Target], shape: RequestShape, hits: list[int], best_match: int
+    ) -> list[float]:
+        """Each target's volume excess as the volume term counts it (the term is ``volume_weight``
+        x the prompt tokens x this). The targets free to take the request are those holding its
+        best match: all of them for a prompt cached nowhere, else its prefix's holders when there
+        are several (one holder: no term). The excess counts up to ``volume_cap`` either way, and
+        its pull (a target below the mean) only on a target whose prefill queue is as short as the
+        shortest of them: the pull chooses among targets that can start the prompt now, never
+        buys it a wait. Among a prefix's holders it is a pull only, toward the one with the least
+        (the most loaded holder counts 0, the others less, a target without the prefix 0): it
+        never sends a request away from its cache."""
+        excess = shape.volume_excess
+        free = [hit == best_match for hit in hits]
+        if not excess or (best_match > 0 and sum(free) < 2):
+            return [0.0] * len(targets)
+        cap = self.volume_cap
+        queued = [t.load.queued_prefill_tokens for t in targets]
+        shortest = min(q for q, f in zip(queued, free, strict=True) if f)
+        out = []
+        for t, q, f in zip(targets, queued, free, strict=True):
+            volume = max(-cap, min(cap, excess.get(t.key, 0.0)))
+            if q > shortest:
+                volume = max(volume, 0.0)
+            out.append(volume if f else 0.0)
+        if best_match > 0:
+            top = max(v for v, f in zip(out, free, strict=True) if f)
+            out = [v - top if f else 0.0 for v, f in zip(out, free, strict=True)]
         return out
 
     @staticmethod

@@ -420,23 +420,61 @@ def test_a_target_with_its_seats_taken_loses_to_one_with_a_free_seat():
 def test_a_prompt_cached_nowhere_evens_out_the_targets_recent_volume():
     """The targets' prompt tokens of the last minutes (``shape.volume_excess``, relative to their
     mean) weigh on a request no target holds any of, in proportion to its own prompt tokens: the
-    target 30 % below the mean wins against an idle one although a small queue waits there; the
-    excess counts up to ``volume_cap`` only. A request with a match anywhere is placed by its
-    prefix and queues alone; a short one barely feels the term."""
+    target 30 % below the mean wins against an idle one although four requests decode there
+    (their prefill done); the excess counts up to ``volume_cap`` only. A request with a match
+    on one target is placed by its prefix and queues alone; a short one barely feels the term."""
     policy = cache_aware(volume_weight=10.0, volume_cap=0.5, balance_weight=0.0)
     light, idle, heavy = targets(3)
-    light.load.begin(200, 1_000)
+    for _ in range(4):  # decoding: no prefill queued
+        light.load.first_token(light.load.begin(200, 100))
     s = shape(640)
     s.volume_excess = {light.key: -0.3, idle.key: 0.0, heavy.key: 0.9}
     assert policy.costs([light, idle, heavy], s, {}) == pytest.approx(
-        [640 + 1_000 + 16 - 0.3 * 10 * 640, 640, 640 + 0.5 * 10 * 640]
+        [640 + 64 - 0.3 * 10 * 640, 640, 640 + 0.5 * 10 * 640]
     )
     assert policy.choose([light, idle, heavy], s, {}) is light
-    short = shape(16)  # a short new prompt: the queue decides, not the share
+    short = shape(16)  # a short new prompt: the load decides, not the share
     short.volume_excess = dict(s.volume_excess)
     assert policy.choose([light, idle, heavy], short, {}) is idle
-    # the same request with 4 blocks cached on the heavy target: no volume term anywhere
+    # the same request with 4 blocks cached on the heavy target alone: no volume term anywhere
     costs = policy.costs([light, idle, heavy], s, {heavy.key: 4})
-    assert costs == pytest.approx([640 + 1_000 + 16 + 64, 640 + 64, 640 - 64])
+    assert costs == pytest.approx([640 + 64 + 64, 640 + 64, 640 - 64])
     s.volume_excess = None  # not known (a policy built by hand): no term either
-    assert policy.costs([light, idle, heavy], s, {}) == pytest.approx([640 + 1_016, 640, 640])
+    assert policy.costs([light, idle, heavy], s, {}) == pytest.approx([640 + 64, 640, 640])
+
+
+def test_the_volume_pull_never_buys_a_queue():
+    """A target below the mean whose prefill queue is longer than the shortest keeps the volume
+    term's push but not its pull: the pull only chooses among targets that can start the prompt
+    now (a new prompt sent to the light rank's queue made that rank's queue longer for the prefix
+    requests behind it, which then left their cache for a copy)."""
+    policy = cache_aware(volume_weight=10.0, volume_cap=0.5, balance_weight=0.0)
+    light, idle, heavy = targets(3)
+    light.load.begin(200, 1_000)  # 1,000 prefill tokens queued
+    heavy.load.begin(200, 1_000)
+    s = shape(640)
+    s.volume_excess = {light.key: -0.3, idle.key: 0.0, heavy.key: 0.9}
+    assert policy.costs([light, idle, heavy], s, {}) == pytest.approx(
+        [640 + 1_016, 640, 640 + 1_016 + 0.5 * 10 * 640]
+    )
+    assert policy.choose([light, idle, heavy], s, {}) is idle
+    idle.load.begin(200, 1_000)  # the same queue everywhere: the pull counts again
+    assert policy.choose([light, idle, heavy], s, {}) is light
+
+
+def test_among_a_prefix_s_holders_the_volume_term_pulls_to_the_least_loaded():
+    """A prompt whose best match several targets hold may go to any of them: among those the
+    volume term is a pull toward the one with the least recent volume, never a push away from the
+    cache (the most loaded holder counts 0, a target without the prefix 0 too; it pays for the
+    history it lacks, stickiness 1). One holder: no term."""
+    policy = cache_aware(volume_weight=10.0, volume_cap=0.5, balance_weight=0.0)
+    a, b, other = targets(3)
+    s = shape(640)
+    s.volume_excess = {a.key: 0.3, b.key: 0.1, other.key: -0.4}
+    matched = {a.key: 4, b.key: 4}
+    assert policy.costs([a, b, other], s, matched) == pytest.approx(
+        [640 - 64, 640 - 64 - 0.2 * 10 * 640, 640 + 64]
+    )
+    assert policy.choose([a, b, other], s, matched) is b
+    # the same prefix on ``a`` alone: no volume term
+    assert policy.costs([a, b, other], s, {a.key: 4}) == pytest.approx([640 - 64, 704, 704])
