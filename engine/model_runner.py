@@ -55,6 +55,9 @@ class CascadeGroup:
 
     members: torch.Tensor  # [n] decode row indices
     blocks: torch.Tensor  # [P] the shared leading block ids
+    positions: torch.Tensor | None = None  # [n] the members' query positions in the packed row
+    block_slice: slice | None = None  # ``blocks`` as a slice when they are consecutive ids (a
+    # prefix allocated in one go): the pool's view, no gather
 
 
 @dataclass
@@ -73,6 +76,11 @@ class PagedContext:
     # shared-prefix groups of the decodes (maybe none) on the CPU; None elsewhere (the kernel
     # that returns log-sum-exps is the CPU's: other devices take SDPA over whole tables)
     cascade: list[CascadeGroup] | None = None
+    # with groups: each decode row's place among the groups' members, concatenated in group
+    # order ([B]; an ungrouped row any place), and the log-sum-exp bias that drops the shared
+    # part of ungrouped rows ([B, 1, 1]: -inf there, 0 elsewhere; None when every row is grouped)
+    cascade_rows: torch.Tensor | None = None
+    cascade_lse_bias: torch.Tensor | None = None
 
 
 def paged_attention(
@@ -158,22 +166,37 @@ def _cascade_decode(q, k_blocks, v_blocks, paged: PagedContext, scaling) -> torc
     group = heads // kv_heads
     qd = q[:, paged.decode_index].transpose(0, 1).reshape(batch, kv_heads, group, head_dim)
     k, v = _decode_keys(k_blocks, v_blocks, paged)
-    out, lse = _flash_with_lse(qd, k, v, attn_mask=paged.decode_mask, scale=scaling)
+    out, lse = _flash_with_lse(qd, k, v, attn_mask=paged.decode_mask, scale=scaling)[:2]
+    if not paged.cascade:
+        return out.reshape(batch, heads, head_dim)
+    shared_outs, shared_lses = [], []
+    qh = q.unflatten(0, (kv_heads, group))  # [KVH, H / KVH, T, D], a view
     for cg in paged.cascade:
-        n = cg.members.numel()
-        ks = k_blocks.index_select(1, cg.blocks).view(1, kv_heads, -1, head_dim)
-        vs = v_blocks.index_select(1, cg.blocks).view(1, kv_heads, -1, head_dim)
-        qg = qd.index_select(0, cg.members).transpose(0, 1).reshape(1, kv_heads, n * group, -1)
-        shared, shared_lse = _flash_with_lse(qg, ks, vs, scale=scaling)
-        shared = shared.view(kv_heads, n, group, head_dim).transpose(0, 1).float()
-        shared_lse = shared_lse.view(kv_heads, n, group).transpose(0, 1)
-        own, own_lse = out.index_select(0, cg.members).float(), lse.index_select(0, cg.members)
-        top = torch.maximum(own_lse, shared_lse)
-        w_own = torch.exp(own_lse - top).unsqueeze(-1)
-        w_shared = torch.exp(shared_lse - top).unsqueeze(-1)
-        merged = (own * w_own + shared * w_shared) / (w_own + w_shared)
-        out.index_copy_(0, cg.members, merged.to(out.dtype))
-    return out.reshape(batch, heads, head_dim)
+        if cg.block_slice is not None:
+            ks = k_blocks[:, cg.block_slice].reshape(1, kv_heads, -1, head_dim)  # a view
+            vs = v_blocks[:, cg.block_slice].reshape(1, kv_heads, -1, head_dim)
+        else:
+            ks = k_blocks.index_select(1, cg.blocks).view(1, kv_heads, -1, head_dim)
+            vs = v_blocks.index_select(1, cg.blocks).view(1, kv_heads, -1, head_dim)
+        # the members' queries as [1, KVH, (H / KVH) * n, D]: rows are independent, any order
+        qg = qh.index_select(2, cg.positions).view(1, kv_heads, -1, head_dim)
+        shared, shared_lse = _flash_with_lse(qg, ks, vs, scale=scaling)[:2]
+        n = cg.positions.numel()
+        shared_outs.append(shared.view(kv_heads, group, n, head_dim))
+        shared_lses.append(shared_lse.view(kv_heads, group, n))
+    # every group's part in one [KVH, H / KVH, M, D], then per decode row: [B, KVH, H / KVH, D]
+    shared = torch.cat(shared_outs, 2) if len(shared_outs) > 1 else shared_outs[0]
+    shared_lse = torch.cat(shared_lses, 2) if len(shared_lses) > 1 else shared_lses[0]
+    shared = shared.index_select(2, paged.cascade_rows).permute(2, 0, 1, 3).float()
+    shared_lse = shared_lse.index_select(2, paged.cascade_rows).permute(2, 0, 1)
+    if paged.cascade_lse_bias is not None:  # ungrouped rows: weight 0, their own result as is
+        shared_lse = shared_lse + paged.cascade_lse_bias
+    own = out.float()
+    top = torch.maximum(lse, shared_lse)
+    w_own = torch.exp(lse - top).unsqueeze(-1)
+    w_shared = torch.exp(shared_lse - top).unsqueeze(-1)
+    merged = (own * w_own + shared * w_shared) / (w_own + w_shared)
+    return merged.to(out.dtype, memory_format=torch.contiguous_format).view(batch, heads, head_dim)
 
 
 def cascade_groups(tables: list[list[int]], lengths: list[int], block_size: int):
@@ -310,22 +333,38 @@ class ModelRunner:
                 blocks = torch.tensor(table[: (end + bs - 1) // bs], device=self.device)
             prefills.append(PrefillSegment(q_start, item.num_tokens, end, blocks, mask))
         decode_index = decode_blocks = decode_mask = cascade = None
+        cascade_rows = cascade_lse_bias = None
         if decode_pos and self.device.type == "cpu":
             cascade = []
             groups = cascade_groups(decode_tables, decode_lens, bs) if len(decode_pos) > 1 else []
             if groups:
                 self.cascade_steps += 1
+                place = [0] * len(decode_pos)  # each row's index among the groups' members
+                grouped = 0
                 for rows, shared in groups:
                     blocks = decode_tables[rows[0]][:shared]
+                    first_block = blocks[0]
+                    consecutive = blocks[-1] - first_block == shared - 1 and all(
+                        b == first_block + i for i, b in enumerate(blocks)
+                    )
                     cascade.append(
                         CascadeGroup(
                             torch.tensor(rows, device=self.device),
                             torch.tensor(blocks, device=self.device),
+                            torch.tensor([decode_pos[r] for r in rows], device=self.device),
+                            slice(first_block, first_block + shared) if consecutive else None,
                         )
                     )
                     for r in rows:
                         decode_tables[r] = decode_tables[r][shared:]
                         decode_lens[r] -= shared * bs
+                        place[r] = grouped
+                        grouped += 1
+                cascade_rows = torch.tensor(place, device=self.device)
+                if grouped < len(decode_pos):
+                    in_group = {r for rows, _ in groups for r in rows}
+                    bias = [0.0 if r in in_group else float("-inf") for r in range(len(place))]
+                    cascade_lse_bias = torch.tensor(bias, device=self.device).view(-1, 1, 1)
         if decode_pos:
             width = max(len(t) for t in decode_tables)
             n = len(decode_pos)
@@ -358,6 +397,8 @@ class ModelRunner:
             decode_mask,
             len(decode_pos),
             cascade,
+            cascade_rows,
+            cascade_lse_bias,
         )
 
     @torch.inference_mode()

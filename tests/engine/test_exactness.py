@@ -5,6 +5,7 @@ import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from engine.config import EngineConfig
@@ -159,3 +160,50 @@ def test_past_the_old_2048_token_context(reference):
     out = engine.generate([longer], GREEDY)[0]
     assert_same(out, reference(longer))
     assert out["num_cached_tokens"] >= 2992  # the first prompt's full blocks
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 1.6e-2)])
+def test_cascade_merge_equals_attention_over_the_whole_context(dtype, tol):
+    """The batched log-sum-exp merge of two groups' shared blocks (one group's block ids
+    consecutive: a view of the pool; the other's not: gathered) and an ungrouped row, through
+    ``attend``, equals plain SDPA over each row's whole table."""
+    from types import SimpleNamespace
+
+    from engine.model_runner import ModelRunner, attend
+
+    torch.manual_seed(0)
+    bs, kv_heads, heads, head_dim = 4, 2, 4, 16
+    shared_a, shared_b = [10, 11, 12, 13, 14], [20, 3, 22, 5]
+    # (table, length with the token being decoded); rows of the two groups interleave
+    rows = [
+        (shared_a + [30], 5 * bs + 3),
+        (shared_b + [33], 4 * bs + 2),
+        (shared_a + [31, 32], 6 * bs + 3),
+        (shared_b + [34, 35], 5 * bs + 1),
+        ([40, 41, 42], 2 * bs + 2),
+    ]
+    kv = torch.randn(2, 1, kv_heads, 48, bs, head_dim).to(dtype)
+    runner = SimpleNamespace(block_size=bs, device=torch.device("cpu"), dtype=dtype, kv=kv)
+    runner.cascade_steps = 0
+    items = [
+        SimpleNamespace(seq=SimpleNamespace(block_table=t), start=n - 1, num_tokens=1)
+        for t, n in rows
+    ]
+    paged = ModelRunner._context(runner, SimpleNamespace(items=items))
+    assert [cg.members.tolist() for cg in paged.cascade] == [[0, 2], [1, 3]]
+    assert paged.cascade[0].block_slice == slice(10, 15) and paged.cascade[1].block_slice is None
+    assert paged.cascade_lse_bias is not None  # row 4 is in no group
+    t = len(rows)
+    q = torch.randn(t, heads, head_dim).to(dtype).transpose(0, 1)  # [H, T, D], strided
+    key = torch.randn(kv_heads, t, head_dim).to(dtype)
+    value = torch.randn(kv_heads, t, head_dim).to(dtype)
+    scale = head_dim**-0.5
+    with torch.inference_mode():
+        out = attend(0, q, key, value, paged, scale)  # [T, H, D]
+    for r, (table, length) in enumerate(rows):
+        k = kv[0, 0][:, table].reshape(kv_heads, -1, head_dim)[None, :, :length].float()
+        v = kv[1, 0][:, table].reshape(kv_heads, -1, head_dim)[None, :, :length].float()
+        expect = F.scaled_dot_product_attention(
+            q[None, :, r : r + 1].float(), k, v, scale=scale, enable_gqa=True
+        )
+        torch.testing.assert_close(out[r].float(), expect[0, :, 0], atol=tol, rtol=tol)
