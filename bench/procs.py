@@ -3,6 +3,7 @@ wait until it answers, read its log, stop it (its whole process group if it will
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -47,10 +48,8 @@ class ServerProcess:
         (vLLM's engine cores, our ranks) outlive the parent by a moment while the kernel tears
         them down, holding their ports, and a restart on the same ports fails until they are
         gone."""
-        try:
+        with contextlib.suppress(ProcessLookupError):  # already gone, all of it
             os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         self.proc.wait(timeout)
         deadline = time.monotonic() + timeout
         while group_alive(self.proc.pid) and time.monotonic() < deadline:

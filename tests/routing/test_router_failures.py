@@ -494,6 +494,20 @@ def _pretokenized(cluster: Cluster) -> float:
     )
 
 
+def assert_same_as_the_engine_direct(cluster: Cluster, body: dict, routed) -> None:
+    """The routed completion's text and prompt tokens are what the rank that served it answers
+    to the same body sent to it directly."""
+    server, rank = engine_of(cluster, routed.headers["x-routed-target"])
+    direct = httpx.post(
+        server.url + "/v1/completions",
+        json=body,
+        headers={"x-data-parallel-rank": str(rank)},
+        timeout=60,
+    )
+    assert direct.json()["choices"][0]["text"] == routed.json()["choices"][0]["text"]
+    assert direct.json()["usage"]["prompt_tokens"] == routed.json()["usage"]["prompt_tokens"]
+
+
 def test_a_long_completion_is_tokenized_once_by_the_router_not_again_by_the_engine(cluster):
     """The router tokenizes a long text prompt to route it and sends the ids beside the text
     (engine/server/openai_api.py PRETOKENIZED): the engine computes them without encoding the
@@ -505,15 +519,7 @@ def test_a_long_completion_is_tokenized_once_by_the_router_not_again_by_the_engi
     routed = httpx.post(cluster.url + "/v1/completions", json=body, timeout=60)
     assert routed.status_code == 200, routed.text
     assert _pretokenized(cluster) == before + 1
-    server, rank = engine_of(cluster, routed.headers["x-routed-target"])
-    direct = httpx.post(
-        server.url + "/v1/completions",
-        json=body,
-        headers={"x-data-parallel-rank": str(rank)},
-        timeout=60,
-    )
-    assert direct.json()["choices"][0]["text"] == routed.json()["choices"][0]["text"]
-    assert direct.json()["usage"]["prompt_tokens"] == routed.json()["usage"]["prompt_tokens"]
+    assert_same_as_the_engine_direct(cluster, body, routed)
     chat = {
         "model": "tiny",
         "messages": [{"role": "user", "content": long_prompt}],
@@ -554,15 +560,7 @@ def test_a_prompt_sharing_a_long_prefix_encodes_only_its_new_part_and_the_ids_st
         body = {"model": "tiny", "prompt": preamble + question, "max_tokens": 5, "temperature": 0}
         routed = httpx.post(cluster.url + "/v1/completions", json=body, timeout=60)
         assert routed.status_code == 200, routed.text
-        server, rank = engine_of(cluster, routed.headers["x-routed-target"])
-        direct = httpx.post(
-            server.url + "/v1/completions",
-            json=body,
-            headers={"x-data-parallel-rank": str(rank)},
-            timeout=60,
-        )
-        assert direct.json()["choices"][0]["text"] == routed.json()["choices"][0]["text"]
-        assert direct.json()["usage"]["prompt_tokens"] == routed.json()["usage"]["prompt_tokens"]
+        assert_same_as_the_engine_direct(cluster, body, routed)
     after = _tokenizer_chars(cluster)
     # the second prompt's chunks up to the last cut in the preamble (cuts every ~2,048 characters)
     assert after["cached"] - before.get("cached", 0) >= 4_000
