@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import sys
 import tempfile
@@ -32,7 +33,9 @@ from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 
+import httpx
 import numpy as np
+import psutil
 
 from bench import engine_metrics
 from bench.compare_routers import router_cmd, row
@@ -68,12 +71,52 @@ def quantiles(values: list[float]) -> dict:
     }
 
 
-async def replay(engine_url: str, router_url: str, samples, speedup: float):
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` and its live descendants (an engine's ranks,
+    sglang-router's workers): what the process tree has burnt so far."""
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0.0
+    total = 0.0
+    for proc in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            times = proc.cpu_times()
+            total += times.user + times.system
+    return total
+
+
+async def replay(engine_url: str, router_url: str, samples, speedup: float, pids: dict):
+    """Send ``samples`` through the router; also the CPU seconds each of ``pids`` (name -> pid)
+    spent meanwhile, so a router's own cost per request shows apart from the machine's load."""
     before = await engine_metrics.scrape(engine_url + "/metrics")
+    cpu_before = {name: cpu_seconds(pid) for name, pid in pids.items()}
     opts = RunOptions(base_url=router_url, model="tiny", speedup=speedup, progress=False)
+    router_before = await router_ttft(router_url)
     run = await send_samples(opts, samples)
+    cpu = {name: cpu_seconds(pid) - cpu_before[name] for name, pid in pids.items()}
+    router_after = await router_ttft(router_url)
     after = await engine_metrics.scrape(engine_url + "/metrics")
-    return run.results, engine_metrics.delta(before, after)
+    cpu["router_ttft_s"] = (  # ours only: dispatch -> first token, as the router saw it
+        (router_after[0] - router_before[0]) / max(1, router_after[1] - router_before[1])
+        if router_after and router_before
+        else None
+    )
+    return run.results, engine_metrics.delta(before, after), cpu
+
+
+async def router_ttft(url: str) -> tuple[float, int] | None:
+    """Our router's dispatch-to-first-token histogram, (sum s, count); None for another router."""
+    async with httpx.AsyncClient(timeout=10) as client:
+        response = await client.get(url + "/metrics")
+    sums = {}
+    for line in response.text.splitlines():
+        for field in ("sum", "count"):
+            name = f"dpmesh_router_time_to_first_token_seconds_{field} "
+            if line.startswith(name):
+                sums[field] = float(line.rsplit(" ", 1)[1])
+    return (sums["sum"], int(sums["count"])) if len(sums) == 2 else None
 
 
 def run_router(name: str, args, samples, workdir: Path, id_samples=None) -> dict:
@@ -92,7 +135,10 @@ def run_router(name: str, args, samples, workdir: Path, id_samples=None) -> dict
         cmd = router_cmd(kind, policy, engine.url, port) + extra
         with start(cmd, f"http://127.0.0.1:{port}", workdir / f"router-{slug}.log", env=env,
                    timeout=120) as router:  # fmt: skip
-            results, diff = asyncio.run(replay(engine.url, router.url, samples, args.speedup))
+            pids = {"router": router.proc.pid, "engine": engine.proc.pid}
+            results, diff, cpu = asyncio.run(
+                replay(engine.url, router.url, samples, args.speedup, pids)
+            )
     ok = [r for r in results if r.ok]
     by_start = sorted(ok, key=lambda r: r.start)
     oracle = sum(oracle_cached([list(id_samples[r.meta["index"]].prompt) for r in by_start]))
@@ -102,7 +148,12 @@ def run_router(name: str, args, samples, workdir: Path, id_samples=None) -> dict
     for key in ("hits_vs_oracle", "prompt_max_mean"):
         out[key] = out[key] or float("nan")
     ttft = [r.ttft * args.simulate_speedup for r in ok]  # measured seconds -> modeled seconds
-    return {**out, "ttft_s": quantiles(ttft), "ttft_sorted": sorted(ttft)}
+    sent = max(1, len(results))
+    router_ttft_s = cpu.pop("router_ttft_s")
+    cpu_ms = {f"{name}_cpu_ms_per_request": 1000 * s / sent for name, s in cpu.items()}
+    if router_ttft_s is not None:  # measured seconds -> modeled seconds, as the client's below
+        cpu_ms["router_dispatch_ttft_mean_s"] = router_ttft_s * args.simulate_speedup
+    return {**out, **cpu_ms, "ttft_s": quantiles(ttft), "ttft_sorted": sorted(ttft)}
 
 
 def cdf_svg(rows: list[dict], title: str) -> str:
@@ -200,7 +251,12 @@ def main(argv=None) -> int:
             print(f"dp {args.dp_size} {name:<26} ok {r['ok']} hit {r['hit_rate']:.3f} "
                   f"vs-oracle {r['hits_vs_oracle']:.3f} max/mean {r['prompt_max_mean']:.2f} "
                   f"TTFT mean {t['mean']:.3f} p50 {t['p50']:.3f} p90 {t['p90']:.3f} "
-                  f"p99 {t['p99']:.3f} s", flush=True)  # fmt: skip
+                  f"p99 {t['p99']:.3f} s; CPU ms a request: router "
+                  f"{r['router_cpu_ms_per_request']:.1f} engine "
+                  f"{r['engine_cpu_ms_per_request']:.1f}"
+                  + (f"; router's own dispatch-to-first-token mean "
+                     f"{r['router_dispatch_ttft_mean_s']:.3f} s"
+                     if "router_dispatch_ttft_mean_s" in r else ""), flush=True)  # fmt: skip
     if args.svg:
         title = (f"TTFT CDF, {args.num_prompts} Mooncake requests, simulated {args.simulate} "
                  f"DP {args.dp_size}")  # fmt: skip
