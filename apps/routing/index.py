@@ -237,15 +237,40 @@ class ServedVolume:
     Mooncake trace: TTFT p50 35 ms) most requests find every queue empty and land by chance, and
     each rank's share of the tokens drifts like a random walk with nothing pulling it back: in the
     routing lab one rank of four ended with 1.18x the mean (docs/benchmarks.md). ``excess`` is
-    what the cost model pulls back with."""
+    what the cost model pulls back with.
+
+    Several router processes (apps/routing/shared_index.py) each publish their own volume per
+    target with their load snapshots; ``set_peer`` keeps the latest of each process, decayed
+    from when it arrived, and a target's volume is its own plus its peers'. Without it, each
+    process would even out only its own share of the fleet's work."""
 
     def __init__(self, half_life_s: float = VOLUME_HALF_LIFE_S, clock=time.monotonic):
         self.half_life_s, self.clock = half_life_s, clock
         self.tokens: dict[str, tuple[float, float]] = {}  # target key -> (tokens, as of)
+        # other router process -> target key -> (its tokens there, as of)
+        self.peers: dict[str, dict[str, tuple[float, float]]] = {}
 
     def _now_value(self, key: str, now: float) -> float:
+        return self.own(key, now) + sum(
+            decayed(*peer[key], now, self.half_life_s)
+            for peer in self.peers.values()
+            if key in peer
+        )
+
+    def own(self, key: str, now: float | None = None) -> float:
+        """The tokens this process itself sent ``key`` lately (decayed): what it publishes."""
+        now = self.clock() if now is None else now
         value, at = self.tokens.get(key, (0.0, now))
         return decayed(value, at, now, self.half_life_s)
+
+    def set_peer(self, origin: str, volumes: dict[str, float]) -> None:
+        """Process ``origin``'s own volume per target, as it published it just now (replaces
+        what it published before)."""
+        now = self.clock()
+        self.peers[origin] = {key: (value, now) for key, value in volumes.items()}
+
+    def drop_peer(self, origin: str) -> None:
+        self.peers.pop(origin, None)
 
     def add(self, key: str, tokens: int) -> None:
         """``tokens`` prompt tokens were just routed to target ``key``."""
@@ -264,3 +289,5 @@ class ServedVolume:
 
     def forget(self, key: str) -> None:
         self.tokens.pop(key, None)
+        for peer in self.peers.values():
+            peer.pop(key, None)

@@ -11,7 +11,9 @@ the network). What one process routes, it also publishes on a Redis channel:
   flight, predicted prefill not yet done, active sessions, recent requests). The others add it to
   theirs (``RankLoad.set_peer``), so a rank that process A has filled looks busy to process B too.
   A process that stops says goodbye (``goodbye``); one that died without it stops counting when
-  its snapshot is older than ``LOAD_TTL_S``.
+  its snapshot is older than ``LOAD_TTL_S``. The snapshot also carries the process's own served
+  volume per target (prompt tokens of the last minutes, apps/routing/index.py ``ServedVolume``),
+  so the cost model's volume term evens out the fleet's work, not one process's share of it.
 
 Publishing never blocks routing: inserts go into a bounded queue that a background task drains;
 when Redis is slow or away the queue drops the oldest entries (an index is a hint), load snapshots
@@ -40,6 +42,7 @@ MAX_BATCH = 256
 LOAD_INTERVAL_S = 0.05  # how often a changed load snapshot is published
 LOAD_HEARTBEAT_S = 1.0  # an unchanged one is published again this often
 LOAD_TTL_S = 3.0  # a peer's snapshot older than this no longer counts
+INF = float("inf")
 
 
 class IndexSync(DispatchObserver):
@@ -115,15 +118,18 @@ class IndexSync(DispatchObserver):
         re-published)."""
         now = time.monotonic()
         out = {}
+        volume = self.router.volume
         for t in self.router.fleet.all_targets():
             load = t.load
             sessions, recent = load.own_active_sessions(now), load.own_recent_requests(now)
+            served = volume.own(t.key)
             if (
                 load.requests
                 or load.prompt_tokens
                 or load.pending_prefill_tokens
                 or sessions > 0.01
                 or recent > 0.01
+                or served >= 1
             ):
                 out[t.key] = [
                     load.requests,
@@ -131,6 +137,7 @@ class IndexSync(DispatchObserver):
                     load.pending_prefill_tokens,
                     round(sessions, 3),
                     round(recent, 3),
+                    round(served),
                 ]
         return out
 
@@ -177,6 +184,7 @@ class IndexSync(DispatchObserver):
         gone = [origin for origin, at in self.peer_seen.items() if now - at > LOAD_TTL_S]
         for origin in gone:
             del self.peer_seen[origin]
+            self.router.volume.drop_peer(origin)
             for t in self.router.fleet.all_targets():
                 t.load.drop_peer(origin)
         return gone
@@ -211,6 +219,7 @@ class IndexSync(DispatchObserver):
             applied = self.apply_load(message["from"], message["load"])
             if message.get("bye"):
                 self.peer_seen.pop(message["from"], None)
+                self.router.volume.drop_peer(message["from"])
             return applied
         known = {t.key for t in self.router.fleet.all_targets()}  # not yet installed here: skipped
         applied = 0
@@ -233,19 +242,26 @@ class IndexSync(DispatchObserver):
             return 0
         self.peer_seen[origin] = time.monotonic()
         applied = 0
+        volumes = {}
         for t in self.router.fleet.all_targets():
             values = snapshot.get(t.key)
-            if (
+            if (  # five numbers from a router before the served volume was shared, else six
                 isinstance(values, list)
-                and len(values) == 5
-                and all(isinstance(v, (int, float)) and v >= 0 for v in values)
+                and len(values) in (5, 6)
+                and all(
+                    isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < INF
+                    for v in values
+                )
             ):
-                requests, tokens, prefill, sessions, recent = values
+                requests, tokens, prefill, sessions, recent = values[:5]
                 t.load.set_peer(
                     origin, int(requests), int(tokens), int(prefill), float(sessions), float(recent)
                 )
+                if len(values) == 6:
+                    volumes[t.key] = float(values[5])
                 applied += 1
             else:
                 t.load.drop_peer(origin)
+        self.router.volume.set_peer(origin, volumes)
         self.load_applied += 1
         return applied

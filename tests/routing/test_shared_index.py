@@ -231,3 +231,32 @@ def test_a_goodbye_drops_the_peer_at_once():
     assert sync.peer_seen.keys() == {"b"} and router.fleet.targets[1][0].load.inflight == 2
     sync.apply(json.dumps({"from": "b", "load": {}, "bye": True}))
     assert sync.peer_seen == {} and router.fleet.targets[1][0].load.inflight == 0
+
+
+def test_the_served_volume_is_shared_so_each_process_evens_out_the_fleets_work():
+    """Process a sent rank 0 a long prompt; process b, which sent nothing, sees rank 0 above the
+    mean and rank 1 below it from a's load snapshot. An older peer's five-number snapshot still
+    counts for load, and a peer that stops takes its volume with it."""
+    routers, syncs = [], []
+    for _ in range(2):
+        router = Router(RouterConfig())
+        router.fleet.put(worker_view(1, url="http://w1", dp_size=2))
+        routers.append(router)
+        syncs.append(IndexSync(router, "redis://unused"))
+    a, b = syncs
+    routers[0].volume.add("http://w1@0", 3000)
+    snapshot = a.load_snapshot()
+    assert snapshot == {"http://w1@0": [0, 0, 0, 0.0, 0.0, 3000]}
+    assert b.apply(json.dumps({"from": a.origin, "load": snapshot})) == 1
+    keys = ["http://w1@0", "http://w1@1"]
+    assert routers[1].volume.excess(keys) == pytest.approx({keys[0]: 1.0, keys[1]: -1.0}, abs=1e-3)
+    routers[1].volume.add(keys[1], 3000)  # b's own share counts beside a's
+    assert routers[1].volume.excess(keys) == pytest.approx({keys[0]: 0.0, keys[1]: 0.0}, abs=1e-3)
+    assert b.load_snapshot()[keys[1]][5] == 3000  # b publishes only its own
+    assert b.apply(json.dumps({"from": a.origin, "load": {keys[0]: [1, 2, 3, 0, 0]}})) == 1
+    assert routers[1].volume.excess(keys) == pytest.approx({keys[0]: -1.0, keys[1]: 1.0}, abs=1e-3)
+    assert b.apply(json.dumps({"from": "c", "load": {keys[0]: [0, 0, 0, 0, 0, float("nan")]}})) == 0
+    b.apply(json.dumps({"from": a.origin, "load": snapshot}))
+    b.apply(json.dumps({"from": a.origin, "load": {}, "bye": True}))
+    assert a.origin not in routers[1].volume.peers
+    assert routers[1].volume.excess(keys) == pytest.approx({keys[0]: -1.0, keys[1]: 1.0}, abs=1e-3)
