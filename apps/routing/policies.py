@@ -114,7 +114,19 @@ class CacheAware(Policy):
     8 times): at 2, a prompt almost wholly cached on a rank busy with one big prefill still left
     for a copy whenever that prefill was three times its cached part (on the trace 0.5-1 % of the
     requests, each recomputing all of its cached prefix: 0.98-0.99 of the oracle's hits); at 8,
-    0.998-0.999 where the caches hold the trace, TTFT mean 1-6 % higher.
+    0.998-0.999 where the caches hold the trace, TTFT mean 1-6 % higher. The rest were the same
+    kind of request at 8: a holder busy with one 35-130 k-token prefill, its queue 6-43 times
+    the prompt's cached part, the other ranks idle. So where a copy buys no balance (private
+    history, or a shared prefix that is not ``hot``: the balance term only argues against copying
+    it) and leaving therefore buys only this request's wait, the recomputed tokens are charged
+    the rework above times how much work leaving makes of the request (``amplification``: prompt
+    / its uncached part on the best holder), up to ``rework_max`` (64): a prompt half cached 16
+    times, one almost wholly cached 64. A hot shared prefix keeps the plain rework (its copies
+    are the balance). Routing lab, the four runs of docs/benchmarks.md "Hits at the oracle's": of
+    oracle 0.998 / 0.998 / 0.943 / 0.999 -> 1.000 / 1.000 / 0.941 / 1.000 (lab-sglang 1.000 /
+    1.000 / 0.940 / 1.000), max/mean 1.00-1.10 -> 1.01-1.08, TTFT mean 1-4 % higher (0.49-0.73
+    of lab-sglang's). The price: such a request waits for its holder's queue, up to ~65 times its
+    cached part, while another rank may be idle.
 
     ``seat_weight`` charges a target whose engine already runs as many requests as it has seats
     (its ``max_num_seqs``, when discovery knows it): a request sent there waits in the engine
@@ -163,6 +175,7 @@ class CacheAware(Policy):
         new_session_slack: float = 256.0,
         rework_floor: float = 8.0,
         rework_cap: float = 8.0,
+        rework_max: float = 64.0,
         seat_weight: float = 2048.0,
         volume_weight: float = 8.0,
         volume_cap: float = 0.25,
@@ -174,7 +187,7 @@ class CacheAware(Policy):
             balance_weight,
         )
         self.slack, self.new_session_slack = slack, new_session_slack
-        self.rework_floor, self.rework_cap = rework_floor, rework_cap
+        self.rework_floor, self.rework_cap, self.rework_max = rework_floor, rework_cap, rework_max
         self.seat_weight = seat_weight
         self.volume_weight, self.volume_cap = volume_weight, volume_cap
 
@@ -201,6 +214,13 @@ class CacheAware(Policy):
         queued = sum(t.load.queued_prefill_tokens for t in targets) / len(targets)
         depth = queued / shape.prompt_tokens if shape.prompt_tokens else 0.0
         rework = busy * max(self.rework_floor, min(self.rework_cap, depth))
+        if not (pressure and hot):
+            # a copy that buys no balance (private history, or a shared prefix its holders can
+            # absorb) buys only this request's wait: charge it by how much work leaving makes of
+            # the request (prompt / its uncached part on the best holder), up to rework_max
+            rework = max(
+                rework, min(self.rework_max, rework * self.amplification(shape, best_match))
+            )
         if shape.chat and best_match <= shared:
             # a chat turn with no history anywhere starts a session: copying the shared prefix
             # (its system prompt) to where it lands is paid once for all its later turns, and
@@ -257,6 +277,12 @@ class CacheAware(Policy):
             top = max(v for v, f in zip(out, free, strict=True) if f)
             out = [v - top if f else 0.0 for v, f in zip(out, free, strict=True)]
         return out
+
+    @staticmethod
+    def amplification(shape: RequestShape, best_match: int) -> float:
+        """How many times its work at the best holder a request costs where it computes its cached
+        part again: prompt tokens / the tokens it computes there (at least 1)."""
+        return shape.prompt_tokens / max(1, shape.prompt_tokens - best_match)
 
     @staticmethod
     def hot(shape: RequestShape, hits: list[int], shared: int) -> bool:

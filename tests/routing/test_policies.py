@@ -155,6 +155,39 @@ def test_rework_follows_the_queue_depth_up_to_its_cap_and_is_off_when_idle():
         assert away_cost - home_cost == pytest.approx(64 + rework * 64), queued
 
 
+@pytest.mark.parametrize(
+    ("prompt", "shared_blocks", "share", "rework", "pick"),
+    [
+        (65, 0, None, 64.0, "home"),  # private history, 64 of 65 cached: 8 x 65, capped at 64
+        (65, 4, 0.1, 64.0, "home"),  # a shared prefix its one holder can absorb (0.1 x 2 < 1)
+        (128, 0, None, 16.0, "away"),  # half cached: leaving doubles its work, 8 x 2
+        (65, 4, None, 8.0, "away"),  # a hot shared prefix: a copy buys balance, rework as before
+    ],
+)
+def test_a_copy_that_buys_no_balance_is_charged_by_the_work_it_multiplies(
+    prompt, shared_blocks, share, rework, pick
+):
+    """A busy fleet, 64 tokens cached at home behind a 2,000-token queue, the other target idle.
+    Where a copy buys no balance (private history, or a shared prefix that is not hot) leaving
+    only saves this request its wait, and the recomputed tokens are charged by how many times its
+    work at home leaving makes of it (prompt / uncached at home) up to ``rework_max``: a prompt
+    almost wholly cached stays with its cache where the flat rework of 8 sent it to a copy."""
+    policy = cache_aware(rework_floor=8.0, rework_cap=8.0, rework_max=64.0)
+    home, away = targets(2)
+    queued = 2000
+    home.load.begin(200, queued)
+    away.load.begin(200, 0)
+    s = shape(prompt, blocks=4)
+    s.prefix_share = share
+    matched = {home.key: 4}
+    home_cost, away_cost = policy.costs([home, away], s, matched, shared_blocks=shared_blocks)
+    stranded = 0 if shared_blocks else 64  # stickiness 1 x private tokens away lacks
+    assert away_cost - home_cost == pytest.approx(64 + stranded + rework * 64 - queued)
+    for order in ([home, away], [away, home]):
+        chosen = policy.choose(order, s, matched, shared_blocks=shared_blocks)
+        assert chosen is (home if pick == "home" else away)
+
+
 @pytest.mark.parametrize(("share", "hot"), [(None, True), (0.6, True), (0.5, False), (0.1, False)])
 def test_only_a_hot_shared_prefix_is_pulled_toward_an_idle_target(share, hot):
     """All in flight on the prefix's home, the other target idle: the balance term (here 256 x
