@@ -20,10 +20,12 @@ $(STAMP): requirements.txt
 	touch $(STAMP)
 
 serve: $(STAMP)
+	$(PY) -m engine.paged_kernel
 	$(PY) manage.py migrate --noinput
 	$(PY) manage.py serve $(SERVE_ARGS)
 
 test: $(STAMP)
+	$(PY) -m engine.paged_kernel
 	$(PY) -m pytest -q -p no:cacheprovider --durations=25 $(PYTEST_ARGS)
 
 # ruff's configuration is in pyproject.toml; CI runs this before the tests

@@ -40,6 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="native, transformers or auto (default: the engine's default)",
     )
+    p.add_argument(
+        "--attention-impl",
+        default=None,
+        help="decode attention: cpp, torch or auto (default: the engine's default)",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-num-seqs", type=int, default=64)
@@ -66,6 +71,8 @@ def make_engine(args):
         kw["dtype"] = args.dtype
     if args.model_impl:
         kw["model_impl"] = args.model_impl
+    if args.attention_impl:
+        kw["attention_impl"] = args.attention_impl
     return LLMEngine(EngineConfig(**kw))
 
 
@@ -135,6 +142,7 @@ def main(argv=None) -> None:
 
     print(
         f"model={args.model} dtype={engine.config.dtype} impl={engine.runner.model_impl} "
+        f"attention={engine.runner.attention_impl} "
         f"threads={torch.get_num_threads()} "
         f"concurrency={args.concurrency} prompts={args.num_prompts} "
         f"{args.input_len} in / {args.output_len} out"

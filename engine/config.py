@@ -8,6 +8,10 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # "auto": the native forward pass (engine.native_llama) when the model qualifies, else
 # transformers'; "native" requires it; "transformers" always runs the transformers modules.
 MODEL_IMPLS = ("auto", "native", "transformers")
+# single-token decode attention: "cpp" is engine.paged_kernel (a C++ extension built at first use
+# that reads the paged pool in place), "torch" gathers blocks for SDPA (and cascade groups);
+# "auto" takes cpp when it builds and runs the model (CPU, float32/bfloat16), else torch.
+ATTENTION_IMPLS = ("auto", "torch", "cpp")
 
 
 @dataclass
@@ -33,6 +37,7 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "auto"  # "auto" (the checkpoint's own dtype), "float32", "bfloat16", "float16"
     model_impl: str = "auto"  # one of MODEL_IMPLS
+    attention_impl: str = "auto"  # one of ATTENTION_IMPLS
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
     stats_interval: int = 100  # log [Cache Stats] every this many finished requests
     enable_prefix_caching: bool = True
@@ -58,6 +63,11 @@ class EngineConfig:
         if self.model_impl not in MODEL_IMPLS:
             raise ValueError(
                 f"model_impl must be one of {', '.join(MODEL_IMPLS)}, got {self.model_impl!r}"
+            )
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(
+                f"attention_impl must be one of {', '.join(ATTENTION_IMPLS)}, "
+                f"got {self.attention_impl!r}"
             )
         if not self.simulate_speedup > 0:
             raise ValueError(f"simulate_speedup must be > 0, got {self.simulate_speedup}")

@@ -14,17 +14,24 @@ preamble) attend to it once, together (cascade attention): on the CPU each group
 its shared blocks in one kernel call, each sequence's own blocks in the batch's call, and the two
 partial results are merged by their log-sum-exps. The shared blocks are gathered once per group
 instead of once per member (``CASCADE_MIN_BLOCKS``).
+
+With ``attention_impl="cpp"`` (``EngineConfig``; ``auto`` picks it when it compiles) the decodes
+take ``engine.paged_kernel`` instead: a C++ kernel that reads every row's blocks where they lie
+in the pool, so there is neither a gather nor a cascade grouping (a shared prefix is read in
+place by each row); its per-row block tables and lengths are built once per step.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, AutoModelForCausalLM
 
+from engine import paged_kernel
 from engine.config import EngineConfig
 from engine.sampler import sample
 from engine.scheduler import ScheduledBatch
@@ -81,6 +88,12 @@ class PagedContext:
     # part of ungrouped rows ([B, 1, 1]: -inf there, 0 elsewhere; None when every row is grouped)
     cascade_rows: torch.Tensor | None = None
     cascade_lse_bias: torch.Tensor | None = None
+    # the cpp decode kernel (``engine.paged_kernel``) and its inputs: each decode row's block
+    # ids (int32 [B, W], zero-padded) and context length (int32 [B]); then ``decode_blocks``,
+    # ``decode_mask`` and ``cascade`` are None
+    decode_kernel: Callable | None = None
+    decode_tables: torch.Tensor | None = None
+    decode_lens: torch.Tensor | None = None
 
 
 def paged_attention(
@@ -131,7 +144,15 @@ def attend(layer: int, q, key, value, paged: PagedContext, scaling) -> torch.Ten
             enable_gqa=True,
         )
         out[seg.q_start : seg.q_start + seg.q_len] = o[0].transpose(0, 1)
-    if paged.decode_index is not None and paged.cascade is not None:
+    if paged.decode_index is not None and paged.decode_kernel is not None:
+        qd = q[:, paged.decode_index].transpose(0, 1)  # [B, H, D], a view
+        scale = head_dim**-0.5 if scaling is None else scaling
+        args = (qd, k_blocks, v_blocks, paged.decode_tables, paged.decode_lens, scale)
+        if isinstance(paged.decode_index, slice):  # written in place
+            paged.decode_kernel(*args, out[paged.decode_index])
+        else:
+            out[paged.decode_index] = paged.decode_kernel(*args, None)
+    elif paged.decode_index is not None and paged.cascade is not None:
         out[paged.decode_index] = _cascade_decode(q, k_blocks, v_blocks, paged, scaling)
     elif paged.decode_index is not None:
         k, v = _decode_keys(k_blocks, v_blocks, paged)
@@ -260,7 +281,11 @@ class ModelRunner:
         )
         self.kv = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.generator = torch.Generator(device="cpu").manual_seed(config.seed)
-        self.cascade_steps = 0  # steps whose decodes attended to a shared prefix as a group
+        # steps whose decodes attended to a shared prefix: as a group (torch), or in place by
+        # each row (cpp: counted when two decode rows start at the same block)
+        self.cascade_steps = 0
+        self.decode_kernel = self._decode_kernel(config.attention_impl, mc)
+        self.attention_impl = "torch" if self.decode_kernel is None else "cpp"
         logger.info(
             "KV pool: %d blocks x %d tokens, %.1f MiB",
             self.num_kv_blocks,
@@ -281,6 +306,28 @@ class ModelRunner:
         if model_impl == "native":
             raise ValueError(f"model_impl='native' cannot run this model: {reason}")
         logger.info("transformers forward pass: no native one for this model (%s)", reason)
+        return None
+
+    def _decode_kernel(self, attention_impl: str, mc):
+        """``engine.paged_kernel``'s compiled decode function, or None for the torch path."""
+        if attention_impl == "torch":
+            return None
+        heads = mc.num_attention_heads
+        reason = None
+        if self.device.type != "cpu":
+            reason = f"device {self.device.type}"
+        elif self.dtype not in paged_kernel.DTYPES:
+            reason = f"dtype {self.dtype}"
+        elif self.head_dim > 256 or heads % self.num_kv_heads or heads // self.num_kv_heads > 16:
+            reason = f"{heads} heads, {self.num_kv_heads} KV heads, head_dim {self.head_dim}"
+        elif paged_kernel.load() is None:
+            reason = f"it did not build ({paged_kernel.error()})"
+        if reason is None:
+            logger.info("attention: cpp paged decode kernel (engine/paged_kernel.py)")
+            return paged_kernel.load().paged_decode
+        if attention_impl == "cpp":
+            raise ValueError(f"attention_impl='cpp' cannot run here: {reason}")
+        logger.info("attention: torch (no cpp paged decode kernel: %s)", reason)
         return None
 
     @property
@@ -334,7 +381,13 @@ class ModelRunner:
             prefills.append(PrefillSegment(q_start, item.num_tokens, end, blocks, mask))
         decode_index = decode_blocks = decode_mask = cascade = None
         cascade_rows = cascade_lse_bias = None
-        if decode_pos and self.device.type == "cpu":
+        # a runner without the attribute (a test's stand-in) takes the torch path
+        kernel = getattr(self, "decode_kernel", None) if decode_pos else None
+        if kernel is not None:
+            first_blocks = {t[0] for t in decode_tables}
+            if len(first_blocks) < len(decode_tables):  # rows reading one prefix, in place
+                self.cascade_steps += 1
+        elif decode_pos and self.device.type == "cpu":
             cascade = []
             groups = cascade_groups(decode_tables, decode_lens, bs) if len(decode_pos) > 1 else []
             if groups:
@@ -365,6 +418,7 @@ class ModelRunner:
                     in_group = {r for rows, _ in groups for r in rows}
                     bias = [0.0 if r in in_group else float("-inf") for r in range(len(place))]
                     cascade_lse_bias = torch.tensor(bias, device=self.device).view(-1, 1, 1)
+        decode_tables_t = decode_lens_t = None
         if decode_pos:
             width = max(len(t) for t in decode_tables)
             n = len(decode_pos)
@@ -375,6 +429,12 @@ class ModelRunner:
                 if contiguous
                 else torch.tensor(decode_pos, device=self.device)
             )
+        if kernel is not None:
+            decode_tables_t = torch.tensor(
+                [t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.int32
+            )
+            decode_lens_t = torch.tensor(decode_lens, dtype=torch.int32)
+        elif decode_pos:
             decode_blocks = torch.tensor(
                 [b for t in decode_tables for b in (t + [0] * (width - len(t)))],
                 device=self.device,
@@ -399,6 +459,9 @@ class ModelRunner:
             cascade,
             cascade_rows,
             cascade_lse_bias,
+            kernel,
+            decode_tables_t,
+            decode_lens_t,
         )
 
     @torch.inference_mode()

@@ -12,8 +12,9 @@ model's own weights in about fifteen ops a layer:
   weights are held once and the transformers path (``model_impl="transformers"``) still works;
 * RoPE from cos/sin tables over every position, indexed once per step and shared by all layers,
   applied in place to the q and k heads of the fused output together;
-* attention through ``engine.model_runner.attend`` (the paged pool, prefix blocks, cascade
-  decodes), the function transformers' attention interface calls for the fallback path;
+* attention through ``engine.model_runner.attend`` (the paged pool, prefix blocks, decodes by
+  the cpp kernel or cascade groups), the function transformers' attention interface calls for
+  the fallback path;
 * in-place residual adds, and the final norm and ``lm_head`` only on the rows that sample.
 
 Numerics follow transformers op for op where a rounding could differ: RMSNorm normalises in

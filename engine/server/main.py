@@ -9,7 +9,7 @@ import sys
 import threading
 import uuid
 
-from engine.config import DTYPES, MODEL_IMPLS
+from engine.config import ATTENTION_IMPLS, DTYPES, MODEL_IMPLS
 from engine.digests import SCHEME
 from engine.sim.profiles import PROFILES, get_profile
 
@@ -82,6 +82,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=list(MODEL_IMPLS),
         help="forward pass: native (engine/native_llama.py: Llama, Mistral, Qwen2), transformers "
         "(its decoder modules), or auto: native when the model qualifies",
+    )
+    parser.add_argument(
+        "--attention-impl",
+        default="auto",
+        choices=list(ATTENTION_IMPLS),
+        help="decode attention: cpp (engine/paged_kernel.py, a C++ kernel built at first use, "
+        "reading the paged KV pool in place), torch (gather + SDPA), or auto: cpp when it builds",
     )
     parser.add_argument(
         "--threads-per-rank",
@@ -228,6 +235,7 @@ def engine_config(args, model_path: str):
         device="cpu" if profile else resolve_device(args.device),
         dtype=args.dtype,
         model_impl=args.model_impl,
+        attention_impl=args.attention_impl,
         stats_interval=args.cache_stats_interval,
         simulate=args.simulate,
         simulate_speedup=args.simulate_speedup,
