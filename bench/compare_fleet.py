@@ -9,7 +9,11 @@ thresholds), each with a fresh engine::
 
 ``--speedup`` divides the trace's times and ``--simulate-speedup`` the engine's modeled step
 times: the same dynamics in less wall time, as long as this machine keeps up (the ranks log
-"simulation behind its model" when it does not). Latencies are reported in modeled seconds
+"simulation behind its model" when it does not). A router's own wall time is not sped up, so at
+``--simulate-speedup`` k it counts k times in the modelled TTFT, with a k-th of the CPU per
+modelled second: to compare routers' TTFT, use ``--simulate-speedup 1`` and ``--speedup`` as the
+load (docs/benchmarks.md, "SGLang's real router over HTTP in real time"). It also prints each
+router's and engine's CPU ms a request. Latencies are reported in modeled seconds
 (measured x simulate-speedup). It prints hit rate, hits / oracle, per-rank prompt tokens max/mean
 (the engine's own /metrics) and TTFT mean/p50/p90/p99, and writes a TTFT CDF per router as SVG.
 
