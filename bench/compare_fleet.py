@@ -157,7 +157,14 @@ def run_router(name: str, args, samples, workdir: Path, id_samples=None) -> dict
     cpu_ms = {f"{name}_cpu_ms_per_request": 1000 * s / sent for name, s in cpu.items()}
     if router_ttft_s is not None:  # measured seconds -> modeled seconds, as the client's below
         cpu_ms["router_dispatch_ttft_mean_s"] = router_ttft_s * args.simulate_speedup
-    return {**out, **cpu_ms, "ttft_s": quantiles(ttft), "ttft_sorted": sorted(ttft)}
+    requests = [  # each request's own numbers, to compare routers request by request (--json)
+        {"index": r.meta["index"], "prompt_tokens": r.prompt_tokens,
+         "cached_tokens": r.cached_tokens, "rank": r.rank,
+         "ttft_s": r.ttft * args.simulate_speedup}
+        for r in by_start
+    ]  # fmt: skip
+    return {**out, **cpu_ms, "ttft_s": quantiles(ttft), "ttft_sorted": sorted(ttft),
+            "requests": requests}  # fmt: skip
 
 
 def cdf_svg(rows: list[dict], title: str) -> str:
@@ -267,7 +274,7 @@ def main(argv=None) -> int:
         Path(args.svg).write_text(cdf_svg(rows, title))
     if args.json:
         Path(args.json).write_text(
-            json.dumps([{k: v for k, v in r.items() if k != "ttft_sorted"} for r in rows], indent=2)
+            json.dumps([{k: v for k, v in r.items() if k != "ttft_sorted"} for r in rows], indent=1)
         )
     return 0
 
