@@ -93,7 +93,8 @@ def cpu_seconds(pid: int) -> float:
 
 async def replay(engine_url: str, router_url: str, samples, speedup: float, pids: dict):
     """Send ``samples`` through the router; also the CPU seconds each of ``pids`` (name -> pid)
-    spent meanwhile, so a router's own cost per request shows apart from the machine's load."""
+    spent meanwhile, so a router's own cost per request shows apart from the machine's load, and
+    our router's own mean dispatch-to-first-token (None for another router)."""
     before = await engine_metrics.scrape(engine_url + "/metrics")
     cpu_before = {name: cpu_seconds(pid) for name, pid in pids.items()}
     opts = RunOptions(base_url=router_url, model="tiny", speedup=speedup, progress=False)
@@ -102,12 +103,12 @@ async def replay(engine_url: str, router_url: str, samples, speedup: float, pids
     cpu = {name: cpu_seconds(pid) - cpu_before[name] for name, pid in pids.items()}
     router_after = await router_ttft(router_url)
     after = await engine_metrics.scrape(engine_url + "/metrics")
-    cpu["router_ttft_s"] = (  # ours only: dispatch -> first token, as the router saw it
+    router_ttft_s = (
         (router_after[0] - router_before[0]) / max(1, router_after[1] - router_before[1])
         if router_after and router_before
         else None
     )
-    return run.results, engine_metrics.delta(before, after), cpu
+    return run.results, engine_metrics.delta(before, after), cpu, router_ttft_s
 
 
 async def router_ttft(url: str) -> tuple[float, int] | None:
@@ -140,7 +141,7 @@ def run_router(name: str, args, samples, workdir: Path, id_samples=None) -> dict
         with start(cmd, f"http://127.0.0.1:{port}", workdir / f"router-{slug}.log", env=env,
                    timeout=120) as router:  # fmt: skip
             pids = {"router": router.proc.pid, "engine": engine.proc.pid}
-            results, diff, cpu = asyncio.run(
+            results, diff, cpu, router_ttft_s = asyncio.run(
                 replay(engine.url, router.url, samples, args.speedup, pids)
             )
     ok = [r for r in results if r.ok]
@@ -153,7 +154,6 @@ def run_router(name: str, args, samples, workdir: Path, id_samples=None) -> dict
         out[key] = out[key] or float("nan")
     ttft = [r.ttft * args.simulate_speedup for r in ok]  # measured seconds -> modeled seconds
     sent = max(1, len(results))
-    router_ttft_s = cpu.pop("router_ttft_s")
     cpu_ms = {f"{name}_cpu_ms_per_request": 1000 * s / sent for name, s in cpu.items()}
     if router_ttft_s is not None:  # measured seconds -> modeled seconds, as the client's below
         cpu_ms["router_dispatch_ttft_mean_s"] = router_ttft_s * args.simulate_speedup

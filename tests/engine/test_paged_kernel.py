@@ -11,6 +11,7 @@ from engine import model_runner, paged_kernel
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
+from tests.conftest import _in_ci
 
 
 @pytest.fixture(scope="module")
@@ -18,7 +19,9 @@ def kernel():
     """The extension, compiled once per session (then torch's cache)."""
     module = paged_kernel.load()
     if module is None:
-        if shutil.which("c++") is None and shutil.which("g++") is None:
+        # a laptop without a compiler runs the torch path only; CI has one (the build is part
+        # of the contract there, as the services are)
+        if shutil.which("c++") is None and shutil.which("g++") is None and not _in_ci():
             pytest.skip(f"no C++ compiler: {paged_kernel.error()}")
         pytest.fail(f"the kernel did not build: {paged_kernel.error()}")
     return module
