@@ -66,3 +66,22 @@ def sample_oracle(results, samples, block_size: int = 16) -> dict | None:
         "cached_tokens": cached,
         "hit_rate": cached / prompt_tokens if prompt_tokens else None,
     }
+
+
+def floor_ttft(prompts: list[list[int]], cost, budget: int, block_size: int = 16) -> list[float]:
+    """Each prompt's time to first token with nothing ahead of it and the oracle's cache, in
+    order: its uncached tokens prefilled alone, in chunks of ``budget`` tokens (the engine's
+    ``max_num_batched_tokens``), each chunk a step of the step-time model ``cost``
+    (engine.sim.step_time.StepCost). On the simulated engine no router gets below it: a router's
+    TTFT quantile can be judged against this one's."""
+    from engine.sim.step_time import StepShape, chunk_pairs
+
+    out = []
+    for ids, cached in zip(prompts, oracle_cached(prompts, block_size), strict=True):
+        seconds, start = 0.0, cached
+        while start < len(ids):
+            chunk = min(budget, len(ids) - start)
+            seconds += cost.seconds(StepShape(chunk, 0, start + chunk, chunk_pairs(start, chunk)))
+            start += chunk
+        out.append(seconds)
+    return out

@@ -29,7 +29,7 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.oracle import oracle_cached
+from bench.oracle import floor_ttft, oracle_cached
 
 DEFAULT_PROFILE = "h100-llama3.1-8b"
 
@@ -295,6 +295,13 @@ def main(argv: list[str] | None = None) -> int:
     header = (f"{'dp':>3} {'policy':<12} {'hit':>6} {'oracle':>6} {'of orc':>6} {'max/mean':>8}"
               f" {'ttft mean':>9} {'p50':>7} {'p90':>7} {'p99':>7}")  # fmt: skip
     print(header)
+    profile = get_profile(args.profile)
+    floor = sorted(floor_ttft([list(s.prompt) for s in workload.samples], profile.cost,
+                              profile.max_num_batched_tokens, args.block_size))  # fmt: skip
+    q = statistics.quantiles(floor, n=100)
+    # each prompt alone on an idle rank with the oracle's cache: no router gets below it
+    print(f"{'':>3} {'floor':<12} {'':>6} {'':>6} {'':>6} {'':>8} {statistics.fmean(floor):>9.3f} "
+          f"{q[49]:>7.3f} {q[89]:>7.3f} {q[98]:>7.3f}")  # fmt: skip
     for dp in args.dp_size:
         curves = []
         for policy in args.policy:

@@ -33,6 +33,9 @@ class EngineConfig:
     kv_cache_memory: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
+    # a prefill with more tokens than this left is long: short prompts jump it (engine.scheduler);
+    # None: half of max_num_batched_tokens; 0: off (strict FCFS)
+    long_prefill_token_threshold: int | None = None
     max_model_len: int | None = None  # None: the model's own limit
     device: str = "cpu"
     dtype: str = "auto"  # "auto" (the checkpoint's own dtype), "float32", "bfloat16", "float16"
@@ -58,6 +61,9 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be > 0, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < self.block_size:
             raise ValueError("max_num_batched_tokens must be at least one block")
+        threshold = self.long_prefill_token_threshold
+        if threshold is not None and threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0, got {threshold}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.model_impl not in MODEL_IMPLS:
@@ -71,3 +77,9 @@ class EngineConfig:
             )
         if not self.simulate_speedup > 0:
             raise ValueError(f"simulate_speedup must be > 0, got {self.simulate_speedup}")
+
+    def long_prefill_threshold(self) -> int:
+        """``long_prefill_token_threshold`` with its default (half the step's budget) filled in."""
+        if self.long_prefill_token_threshold is None:
+            return self.max_num_batched_tokens // 2
+        return self.long_prefill_token_threshold

@@ -51,6 +51,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="default 512 (with --simulate: the profile's)",
     )
     parser.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=None,
+        help="a prefill with more tokens than this left is long: short prompts jump it "
+        "(default: half of --max-num-batched-tokens; 0: strict FCFS)",
+    )
+    parser.add_argument(
         "--dp-load-balance",
         default="least_requests",
         choices=["least_requests", "round_robin", "least_tokens"],
@@ -231,6 +238,7 @@ def engine_config(args, model_path: str):
         num_kv_blocks=args.num_kv_blocks,
         kv_cache_memory=args.kv_cache_memory,
         **_scheduler_limits(args, profile),
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
         max_model_len=args.max_model_len,
         device="cpu" if profile else resolve_device(args.device),
         dtype=args.dtype,

@@ -23,12 +23,13 @@ from engine.sequence import Sequence, SequenceStatus
 BS = 4
 
 
-def make_scheduler(num_blocks=64, max_num_seqs=8, budget=16) -> Scheduler:
+def make_scheduler(num_blocks=64, max_num_seqs=8, budget=16, long_threshold=None) -> Scheduler:
     config = EngineConfig(
         block_size=BS,
         num_kv_blocks=num_blocks,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=budget,
+        long_prefill_token_threshold=long_threshold,
     )
     return Scheduler(config, BlockManager(num_blocks, BS))
 
@@ -121,6 +122,98 @@ def test_token_budget_and_chunked_prefill():
     ]
     assert a.output_token_ids == [0, 1] and b.is_finished and not sched.num_unfinished
     assert sched.block_manager.usage().used == 0
+
+
+def first_token_step(batches: list[ScheduledBatch], seq: Sequence) -> int:
+    """The index of the step in which ``seq`` sampled its first token."""
+    return next(
+        i
+        for i, batch in enumerate(batches)
+        for it in batch.items
+        if it.seq is seq and it.start + it.num_tokens == seq.num_prompt_tokens
+    )
+
+
+@pytest.mark.parametrize("threshold", [0, 8])
+def test_a_short_prompt_jumps_a_long_prefill_unless_the_threshold_is_0(threshold):
+    sched = make_scheduler(budget=16, long_threshold=threshold)
+    long = new_seq(80, max_tokens=2)
+    sched.add(long)
+    batches = [step(sched)]
+    short = new_seq(3, max_tokens=2)
+    sched.add(short)
+    batches += run_all(sched)
+    if threshold:
+        # the next step: the long prefill's chunk shrinks to the threshold, the short one fits
+        assert chunks(batches[1]) == [(long.seq_id, 16, 8), (short.seq_id, 0, 3)]
+        assert first_token_step(batches, short) == 1
+        assert first_token_step(batches, long) == 5  # the short one's 3 + 2 tokens: one more step
+    else:  # strict FCFS: the short one waits for the last chunk of the long one
+        assert first_token_step(batches, long) == 4 and first_token_step(batches, short) == 5
+    assert short.output_token_ids == [0, 1] and long.output_token_ids == [0, 1]
+
+
+def test_a_long_waiting_prompt_stays_queued_while_short_ones_behind_it_pass():
+    sched = make_scheduler(budget=16, long_threshold=8)
+    a, b, c = new_seq(64, max_tokens=1), new_seq(40, max_tokens=1), new_seq(5, max_tokens=1)
+    for s in (a, b, c):
+        sched.add(s)
+    batches = run_all(sched)
+    assert chunks(batches[0]) == [(a.seq_id, 0, 16)]  # b (long) is not admitted beside a
+    assert chunks(batches[1]) == [(a.seq_id, 16, 8), (c.seq_id, 0, 5)]  # c passes b
+    # b starts only in the step where a's prefill ends, with the budget a leaves
+    b_start = next(i for i, batch in enumerate(batches) for it in batch.items if it.seq is b)
+    a_end = first_token_step(batches, a)
+    assert b_start == a_end and first_token_step(batches, c) == 1
+    assert all(s.finish_reason == "length" for s in (a, b, c))
+
+
+def test_a_prompt_almost_wholly_cached_counts_as_short():
+    sched = make_scheduler(budget=16, long_threshold=8)
+    head = [next(_next_token) for _ in range(40)]
+    warm = Sequence(head + [1], SamplingParams(max_tokens=1, temperature=0), block_size=BS)
+    sched.add(warm)
+    run_all(sched)  # head is in the prefix cache now
+    long = new_seq(80, max_tokens=1)
+    sched.add(long)
+    batches = [step(sched)]
+    cached = Sequence(head + [2, 3], SamplingParams(max_tokens=1, temperature=0), block_size=BS)
+    sched.add(cached)  # 42 tokens, 40 of them cached: 2 to compute
+    batches += run_all(sched)
+    assert chunks(batches[1]) == [(long.seq_id, 16, 8), (cached.seq_id, 40, 2)]
+    assert cached.num_cached_tokens == 40 and first_token_step(batches, cached) == 1
+
+
+def test_a_prefill_chunk_leaves_a_token_for_each_running_decode():
+    sched = make_scheduler(budget=8, long_threshold=0)
+    a = new_seq(4, max_tokens=20)
+    sched.add(a)
+    step(sched)  # a decodes from now on
+    b = new_seq(60, max_tokens=1)
+    sched.add(b)
+    step(sched)  # b is admitted behind a
+    # running order is a, b; then move b ahead of a so its chunk comes first in the loop
+    sched.running.reverse()
+    batch = step(sched)
+    assert sorted(chunks(batch)) == sorted([(b.seq_id, 7, 7), (a.seq_id, 5, 1)])
+    run_all(sched)
+
+
+def test_the_threshold_defaults_to_half_the_budget_and_must_not_be_negative():
+    assert EngineConfig(max_num_batched_tokens=512).long_prefill_threshold() == 256
+    assert EngineConfig(long_prefill_token_threshold=0).long_prefill_threshold() == 0
+    with pytest.raises(ValueError, match="long_prefill_token_threshold"):
+        EngineConfig(long_prefill_token_threshold=-1)
+    import argparse
+
+    from engine.server import main
+
+    parser = argparse.ArgumentParser()
+    main.add_arguments(parser)
+    args = parser.parse_args(["--device", "cpu", "--long-prefill-token-threshold", "0"])
+    assert main.engine_config(args, "tiny").long_prefill_threshold() == 0
+    args = parser.parse_args(["--simulate", "h100-llama3.1-8b"])  # the profile's budget, 8192
+    assert main.engine_config(args, "tiny").long_prefill_threshold() == 4096
 
 
 def test_budget_is_never_exceeded_with_many_requests():
