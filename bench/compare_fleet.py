@@ -133,6 +133,8 @@ def run_router(name: str, args, samples, workdir: Path, id_samples=None) -> dict
                    "--simulate-speedup", str(args.simulate_speedup)]  # fmt: skip
     if args.num_kv_blocks:
         engine_args += ["--num-kv-blocks", str(args.num_kv_blocks)]
+    if args.long_prefill_token_threshold is not None:
+        engine_args += ["--long-prefill-token-threshold", str(args.long_prefill_token_threshold)]
     slug = name.replace(" ", "-")
     with start_engine(workdir, *engine_args, name=f"engine-{slug}") as engine:
         port = free_port()
@@ -224,6 +226,12 @@ def main(argv=None) -> int:
     parser.add_argument("--simulate", default="h100-llama3.1-8b")
     parser.add_argument("--simulate-speedup", type=float, default=4.0)
     parser.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=None,
+        help="the engine's (engine.scheduler); default the profile's (GPU: 0, vLLM's default)",
+    )
     parser.add_argument("--routers", nargs="*", default=list(ROUTERS))
     parser.add_argument(
         "--prompt-format",

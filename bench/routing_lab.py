@@ -63,7 +63,8 @@ class VirtualClock:
         return self.now
 
 
-def make_ranks(dp_size: int, profile: str, block_size: int, num_kv_blocks: int | None):
+def make_ranks(dp_size: int, profile: str, block_size: int, num_kv_blocks: int | None,
+               long_threshold: int | None = None):  # fmt: skip
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
     from engine.sim.profiles import get_profile
@@ -79,6 +80,9 @@ def make_ranks(dp_size: int, profile: str, block_size: int, num_kv_blocks: int |
             max_num_seqs=prof.max_num_seqs,
             max_num_batched_tokens=prof.max_num_batched_tokens,
             max_model_len=prof.max_model_len,
+            long_prefill_token_threshold=(
+                prof.long_prefill_token_threshold if long_threshold is None else long_threshold
+            ),
         )
         engine = LLMEngine(config)
         engine.runner.end_step = lambda started: None  # virtual time: no sleeping
@@ -116,13 +120,14 @@ def make_router(policy: str, dp_size: int, block_size: int, capacity: int, clock
 
 def run(samples, *, policy: str, dp_size: int, speedup: float | None, concurrency: int | None,
         profile: str = DEFAULT_PROFILE, block_size: int = 16,
-        num_kv_blocks: int | None = None, keep_flights: bool = False) -> dict:  # fmt: skip
+        num_kv_blocks: int | None = None, keep_flights: bool = False,
+        long_threshold: int | None = None) -> dict:  # fmt: skip
     """Replay ``samples`` (bench.datasets.SampleRequest with token-id prompts and, for
     ``speedup``, timestamps) and return the summary."""
     from engine.sampling_params import SamplingParams
 
     clock = VirtualClock()
-    ranks = make_ranks(dp_size, profile, block_size, num_kv_blocks)
+    ranks = make_ranks(dp_size, profile, block_size, num_kv_blocks, long_threshold)
     capacity = ranks[0].engine.block_manager.num_blocks
     router = make_router(policy, dp_size, block_size, capacity, clock)
     events: list = []  # (time, order, kind, payload)
@@ -274,6 +279,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", default=DEFAULT_PROFILE)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=None,
+        help="the ranks' scheduler (engine.scheduler); default the profile's (GPU: 0, vLLM's)",
+    )
     parser.add_argument("--svg", default=None, help="write a TTFT CDF per DP size here ({dp})")
     args = parser.parse_args(argv)
     if not args.speedup and not args.max_concurrency:
@@ -308,7 +319,8 @@ def main(argv: list[str] | None = None) -> int:
             s = run(workload.samples, policy=policy, dp_size=dp, speedup=args.speedup,
                     concurrency=args.max_concurrency, profile=args.profile,
                     block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-                    keep_flights=bool(args.svg))  # fmt: skip
+                    keep_flights=bool(args.svg),
+                    long_threshold=args.long_prefill_token_threshold)  # fmt: skip
             if args.svg:
                 ttft = sorted(f.first_token - f.arrival for f in s.pop("flights"))
                 curves.append({"router": policy, "ttft_sorted": ttft})

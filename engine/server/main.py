@@ -55,7 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="a prefill with more tokens than this left is long: short prompts jump it "
-        "(default: half of --max-num-batched-tokens; 0: strict FCFS)",
+        "(default: half of --max-num-batched-tokens; with --simulate on a GPU profile 0, vLLM's "
+        "default; 0: strict FCFS)",
     )
     parser.add_argument(
         "--dp-load-balance",
@@ -238,7 +239,6 @@ def engine_config(args, model_path: str):
         num_kv_blocks=args.num_kv_blocks,
         kv_cache_memory=args.kv_cache_memory,
         **_scheduler_limits(args, profile),
-        long_prefill_token_threshold=args.long_prefill_token_threshold,
         max_model_len=args.max_model_len,
         device="cpu" if profile else resolve_device(args.device),
         dtype=args.dtype,
@@ -250,12 +250,21 @@ def engine_config(args, model_path: str):
     )
 
 
-def _scheduler_limits(args, profile) -> dict[str, int]:
-    """--max-num-seqs / --max-num-batched-tokens, else the profile's (simulated) or 64 / 512."""
-    defaults = (profile.max_num_seqs, profile.max_num_batched_tokens) if profile else (64, 512)
-    flags = (args.max_num_seqs, args.max_num_batched_tokens)
-    seqs, tokens = (d if f is None else f for f, d in zip(flags, defaults, strict=True))
-    return {"max_num_seqs": seqs, "max_num_batched_tokens": tokens}
+def _scheduler_limits(args, profile) -> dict[str, int | None]:
+    """--max-num-seqs / --max-num-batched-tokens / --long-prefill-token-threshold, else the
+    profile's (simulated: vLLM's defaults on that GPU) or 64 / 512 / half the budget."""
+    defaults = (
+        (profile.max_num_seqs, profile.max_num_batched_tokens, profile.long_prefill_token_threshold)
+        if profile
+        else (64, 512, None)
+    )
+    flags = (args.max_num_seqs, args.max_num_batched_tokens, args.long_prefill_token_threshold)
+    seqs, tokens, threshold = (d if f is None else f for f, d in zip(flags, defaults, strict=True))
+    return {
+        "max_num_seqs": seqs,
+        "max_num_batched_tokens": tokens,
+        "long_prefill_token_threshold": threshold,
+    }
 
 
 def vocab_size(model_path: str, tokenizer, simulate: str | None) -> int:
@@ -285,6 +294,8 @@ def server_info(args, client, model_path: str, dp_size: int, tp_size: int, token
         "max_num_seqs": _scheduler_limits(
             args, get_profile(args.simulate) if args.simulate else None
         )["max_num_seqs"],
+        # prefills longer than this that short prompts jump (engine.scheduler; 0: strict FCFS)
+        "long_prefill_token_threshold": engine_config(args, model_path).long_prefill_threshold(),
         "dp_load_balance": args.dp_load_balance,
         "enable_prefix_caching": True,
         "prefix_digest": SCHEME,

@@ -99,6 +99,10 @@ class Profile:
     max_num_seqs: int
     max_num_batched_tokens: int
     sources: tuple[str, ...]
+    # the engine's --long-prefill-token-threshold default (engine.scheduler): 0 (strict FCFS,
+    # a running chunked prefill takes the whole budget) is vLLM's default and SGLang's behaviour,
+    # so the GPU profiles model that; None is our own engine's (half the budget)
+    long_prefill_token_threshold: int | None = None
 
     def num_kv_blocks(self, block_size: int, kv_cache_memory: int | None = None) -> int:
         """KV blocks of one rank: the profile's capacity, or ``kv_cache_memory`` bytes of it."""
@@ -180,6 +184,7 @@ def _gpu_profile(name, gpu, model, tpot_s, max_num_seqs, max_num_batched_tokens,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         sources=(measured, gpu.source, model.source),
+        long_prefill_token_threshold=0,  # vLLM's default
     )
 
 

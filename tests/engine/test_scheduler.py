@@ -212,8 +212,13 @@ def test_the_threshold_defaults_to_half_the_budget_and_must_not_be_negative():
     main.add_arguments(parser)
     args = parser.parse_args(["--device", "cpu", "--long-prefill-token-threshold", "0"])
     assert main.engine_config(args, "tiny").long_prefill_threshold() == 0
-    args = parser.parse_args(["--simulate", "h100-llama3.1-8b"])  # the profile's budget, 8192
-    assert main.engine_config(args, "tiny").long_prefill_threshold() == 4096
+    # a GPU profile models vLLM's default (off); the one fitted to our engine, ours (half of 512)
+    args = parser.parse_args(["--simulate", "h100-llama3.1-8b"])
+    assert main.engine_config(args, "tiny").long_prefill_threshold() == 0
+    args = parser.parse_args(["--simulate", "h100-llama3.1-8b", "--long-prefill-token-threshold=8"])
+    assert main.engine_config(args, "tiny").long_prefill_threshold() == 8
+    args = parser.parse_args(["--simulate", "cpu-tiny"])
+    assert main.engine_config(args, "tiny").long_prefill_threshold() == 256
 
 
 def test_budget_is_never_exceeded_with_many_requests():
