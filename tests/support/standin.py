@@ -356,8 +356,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--dp-size", type=int, default=4)
     parser.add_argument("--model", default="standin")
+    parser.add_argument("--tokens", type=int, default=3, help="text chunks of a streamed answer")
+    parser.add_argument("--token-interval-s", type=float, default=0.0, help="between two chunks")
     args = parser.parse_args(argv)
-    standin = StandIn(dp_size=args.dp_size, model=args.model)
+    default = Behaviour(tokens=args.tokens, token_interval_s=args.token_interval_s)
+    standin = StandIn(dp_size=args.dp_size, model=args.model, default=default)
     standin.received = _Discard()  # a benchmark sends millions; keep nothing
 
     async def serve():

@@ -1,0 +1,95 @@
+"""What relaying a streamed answer costs a router: CPU per request and per SSE event.
+
+The stand-in upstream (tests/support/standin.py) answers every ``/v1/completions`` with
+``--tokens`` text events, ``--token-interval-s`` apart (as an engine's decode steps arrive: one
+event per read, nothing to batch); each router in turn (ours ``runrouter --dp-aware``, SGLang's
+``sglang-router launch --dp-aware``, both cache_aware) relays ``--requests`` of them,
+``--concurrency`` at a time, streamed and then not streamed. The router's user + system CPU over
+each pass, divided by the requests, is its cost; the streamed minus the non-streamed cost,
+divided by the events, is what one event costs it::
+
+    .venv/bin/python -m bench.stream_relay [--tokens 200] [--requests 200] [--routers dpmesh sglang]
+
+The trace runs (bench.compare_fleet) stream ~200 tokens a request: this is where most of our
+router's CPU a request goes there (docs/benchmarks.md, "What a streamed token costs the router").
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from bench.compare_fleet import cpu_seconds
+from bench.compare_routers import router_cmd
+from bench.procs import free_port, start
+
+
+async def drive(url: str, requests: int, concurrency: int, tokens: int, stream: bool) -> None:
+    """Send ``requests`` completions through ``url``, ``concurrency`` at a time, reading every
+    byte of each answer; a non-200 answer is an error."""
+    limit = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(timeout=120) as client:
+
+        async def one(i: int) -> None:
+            body = {"model": "standin", "prompt": f"request {i} " + "lorem ipsum " * 80,
+                    "max_tokens": tokens, "stream": stream}  # fmt: skip
+            async with limit, client.stream("POST", url + "/v1/completions", json=body) as r:
+                if r.status_code != 200:
+                    raise RuntimeError(f"{url} answered {r.status_code}")
+                async for _ in r.aiter_bytes():
+                    pass
+
+        await asyncio.gather(*(one(i) for i in range(requests)))
+
+
+def measure(url: str, pid: int, args, stream: bool) -> tuple[float, float]:
+    """(CPU ms a request of process ``pid`` and its children, wall seconds) over one pass."""
+    cpu, wall = cpu_seconds(pid), time.perf_counter()
+    asyncio.run(drive(url, args.requests, args.concurrency, args.tokens, stream))
+    return 1000 * (cpu_seconds(pid) - cpu) / args.requests, time.perf_counter() - wall
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--tokens", type=int, default=200, help="text events a streamed answer")
+    parser.add_argument("--token-interval-s", type=float, default=0.005)
+    parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--routers", nargs="+", default=["dpmesh", "sglang"])
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        port = free_port()
+        standin_cmd = [sys.executable, "-m", "tests.support.standin", "--port", str(port),
+                       "--dp-size", "4", "--tokens", str(args.tokens),
+                       "--token-interval-s", str(args.token_interval_s)]  # fmt: skip
+        with start(standin_cmd, f"http://127.0.0.1:{port}", workdir / "standin.log") as standin:
+            for kind in args.routers:
+                port = free_port()
+                env = {"DATABASE_URL": f"sqlite:///{workdir}/{kind}.sqlite3"}
+                cmd = router_cmd(kind, "cache_aware", standin.url, port)
+                with start(cmd, f"http://127.0.0.1:{port}", workdir / f"{kind}.log", env=env,
+                           timeout=120) as router:  # fmt: skip
+                    warm = max(8, args.requests // 10)
+                    asyncio.run(drive(router.url, warm, args.concurrency, args.tokens, True))
+                    streamed, wall = measure(router.url, router.proc.pid, args, True)
+                    plain, _ = measure(router.url, router.proc.pid, args, False)
+                events = args.tokens + 3  # the text events, the finish event, usage, [DONE]
+                per_event_us = 1000 * (streamed - plain) / events
+                print(f"{kind:<7} streamed {streamed:6.2f} ms CPU a request ({wall:.1f} s wall), "
+                      f"not streamed {plain:5.2f} ms; {per_event_us:5.1f} us an event "
+                      f"({args.tokens} tokens, {args.token_interval_s * 1000:g} ms apart)",
+                      flush=True)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
