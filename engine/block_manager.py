@@ -63,6 +63,7 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.by_digest: dict[int, int] = {}
+        self.cached_free = 0  # free blocks still holding a digest, kept as they change
         self.events: deque[BlockStored | BlockRemoved] = deque(maxlen=self.MAX_PENDING_EVENTS)
 
     @property
@@ -113,6 +114,7 @@ class BlockManager:
         for block in hits:
             if block.ref_count == 0:
                 del self.free[block.block_id]
+                self.cached_free -= 1  # a hit holds its digest
             block.ref_count += 1
         seq.block_table = [b.block_id for b in hits]
         seq.num_computed_tokens = len(hits) * self.block_size
@@ -138,6 +140,7 @@ class BlockManager:
         block = self.blocks[block_id]
         assert block.ref_count == 0, f"free block {block_id} has ref_count {block.ref_count}"
         if block.digest is not None:
+            self.cached_free -= 1
             if self.by_digest.get(block.digest) == block_id:
                 del self.by_digest[block.digest]
                 self.events.append(BlockRemoved([block.digest]))
@@ -187,6 +190,7 @@ class BlockManager:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free[block_id] = None
+                self.cached_free += block.digest is not None
         seq.block_table = []
         seq.num_computed_tokens = 0
 
@@ -197,12 +201,13 @@ class BlockManager:
         return events
 
     def usage(self) -> PoolUsage:
-        cached_free = sum(1 for i in self.free if self.blocks[i].digest is not None)
+        """O(1): a rank reports it every 0.25 s while busy, and counting a pool of 250 k blocks
+        took ~15 ms each time."""
         return PoolUsage(
             total=self.num_blocks,
             used=self.num_blocks - len(self.free),
-            cached_free=cached_free,
-            empty_free=len(self.free) - cached_free,
+            cached_free=self.cached_free,
+            empty_free=len(self.free) - self.cached_free,
         )
 
     def check_integrity(self, sequences: list[Sequence] | None = None) -> None:
@@ -213,6 +218,9 @@ class BlockManager:
             raise AssertionError(
                 f"used {len(used)} + free {len(self.free)} != total {self.num_blocks}"
             )
+        cached_free = sum(1 for i in self.free if self.blocks[i].digest is not None)
+        if cached_free != self.cached_free:
+            raise AssertionError(f"cached_free {self.cached_free} != {cached_free} counted")
         for block_id in self.free:
             if self.blocks[block_id].ref_count != 0:
                 raise AssertionError(
