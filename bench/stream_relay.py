@@ -42,8 +42,7 @@ async def drive(url: str, requests: int, concurrency: int, tokens: int, stream: 
             async with limit, client.stream("POST", url + "/v1/completions", json=body) as r:
                 if r.status_code != 200:
                     raise RuntimeError(f"{url} answered {r.status_code}")
-                async for _ in r.aiter_bytes():
-                    pass
+                await r.aread()
 
         await asyncio.gather(*(one(i) for i in range(requests)))
 
