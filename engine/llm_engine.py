@@ -1,4 +1,11 @@
-"""The in-process engine: add requests, step, stream outputs, abort. One engine is one DP rank."""
+"""The in-process engine: add requests, step, stream outputs, abort. One engine is one DP rank.
+
+Arrows: this module is the top of the in-process engine. It imports the scheduler, the block
+manager and the detokenizer, and at load time one runner: ``engine.model_runner`` (the model)
+or, with ``EngineConfig.simulate``, ``engine.sim.runner`` (a step-time model). No runner and
+nothing under ``engine.sim`` imports it back; what drives an ``LLMEngine`` (``engine.server.rank``,
+``engine.bench``, ``engine.fit_step_time``) sits above it.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +22,8 @@ from engine.sequence import Sequence
 from engine.stats import CacheStats
 from engine.tiny import resolve_model_path
 
+# "engine", not this module's name: the ranks' "Scheduled prefill batch" and [Cache Stats]
+# lines go out under it, and tests/engine/test_scheduler.py picks them out by that name.
 logger = logging.getLogger("engine")
 
 

@@ -12,7 +12,7 @@ model's own weights in about fifteen ops a layer:
   weights are held once and the transformers path (``model_impl="transformers"``) still works;
 * RoPE from cos/sin tables over every position, indexed once per step and shared by all layers,
   applied in place to the q and k heads of the fused output together;
-* attention through ``engine.model_runner.attend`` (the paged pool, prefix blocks, decodes by
+* attention through ``engine.paged_attention.attend`` (the paged pool, prefix blocks, decodes by
   the cpp kernel or cascade groups), the function transformers' attention interface calls for
   the fallback path;
 * in-place residual adds, and the final norm and ``lm_head`` only on the rows that sample.
@@ -28,6 +28,9 @@ path's bit for bit, in float32 and bfloat16 (tests/engine/test_native_llama.py).
 ``unsupported_reason`` says which models qualify: ``LlamaForCausalLM``, ``MistralForCausalLM``
 and ``Qwen2ForCausalLM`` (its q/k/v biases are fused like the weights) without a sliding window,
 with SiLU, no other biases and default RoPE. Anything else runs through transformers.
+
+Arrows: ``engine.model_runner`` imports this module; it imports ``engine.paged_attention`` and
+``engine.paged_context`` (the attention both forward passes share), never the runner.
 """
 
 from __future__ import annotations
@@ -38,7 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model_runner import PagedContext, attend
+from engine.paged_attention import attend
+from engine.paged_context import PagedContext
 
 
 def unsupported_reason(model) -> str | None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import enum
 import itertools
-import time
 
 from engine.digests import block_digest
 from engine.sampling_params import SamplingParams
@@ -42,7 +41,6 @@ class Sequence:
         self.admitted = False  # True once first scheduled (stats count a request once)
         self.num_preemptions = 0
         self.finish_reason: str | None = None
-        self.arrival_time = time.monotonic()
         self._digests: list[int] = []
 
     def __repr__(self):
@@ -63,10 +61,6 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
-
-    @property
-    def num_full_blocks(self) -> int:
-        return self.num_tokens // self.block_size
 
     @property
     def is_finished(self) -> bool:

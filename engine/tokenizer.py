@@ -120,13 +120,6 @@ class Tokenizer:
         """The full vocabulary with added tokens (transformers' ``len(tokenizer)``)."""
         return self.backend.get_vocab_size(with_added_tokens=True)
 
-    def get_vocab(self) -> dict[str, int]:
-        return self.backend.get_vocab(with_added_tokens=True)
-
-    @property
-    def added_tokens_decoder(self) -> dict[int, AddedToken]:
-        return self.backend.get_added_tokens_decoder()
-
     def convert_tokens_to_ids(self, tokens: str | list[str]) -> int | list[int] | None:
         if not isinstance(tokens, str):
             return [self.convert_tokens_to_ids(t) for t in tokens]
@@ -134,11 +127,6 @@ class Tokenizer:
         if index is None and self.unk_token is not None and tokens != self.unk_token:
             return self.unk_token_id
         return index
-
-    def convert_ids_to_tokens(self, ids: int | list[int]) -> str | list[str] | None:
-        if isinstance(ids, int):
-            return self.backend.id_to_token(ids)
-        return [self.backend.id_to_token(int(i)) for i in ids]
 
     # ----- text <-> ids -----------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

@@ -15,7 +15,9 @@ import time
 import uuid
 
 from engine.server import openai_api as api
-from engine.server.asgi import (
+from engine.server.frontend import EngineClient, RankFailed, RankUnavailable
+from engine.server.metrics import make_registry, render
+from serving.asgi import (
     BodyTooLarge,
     ClientGone,
     end_body,
@@ -27,10 +29,9 @@ from engine.server.asgi import (
     start_sse,
     until_disconnect,
 )
-from engine.server.frontend import EngineClient, RankFailed, RankUnavailable
-from engine.server.metrics import make_registry, render
+from serving.openai_fields import OFF_LOOP_CHARS, APIError, prompt_text_chars, strict_json
 
-logger = logging.getLogger("engine.front")
+logger = logging.getLogger(__name__)
 
 KV_KEEPALIVE_S = 10.0
 
@@ -51,11 +52,11 @@ async def read_json(receive, limit: int):
     try:
         raw = await read_body(receive, limit)
     except BodyTooLarge as exc:
-        raise api.APIError(413, str(exc)) from exc
+        raise APIError(413, str(exc)) from exc
     try:
-        return api.strict_json(raw)
+        return strict_json(raw)
     except (ValueError, UnicodeDecodeError) as exc:
-        raise api.APIError(400, f"the request body is not valid JSON: {exc}") from exc
+        raise APIError(400, f"the request body is not valid JSON: {exc}") from exc
 
 
 class EngineApp:
@@ -90,11 +91,11 @@ class EngineApp:
         try:
             if handler is None:
                 allowed = any(p == path for _, p in self.routes)
-                raise api.APIError(
+                raise APIError(
                     405 if allowed else 404, f"{scope['method']} {path} is not served here"
                 )
             await handler(scope, receive, send)
-        except api.APIError as exc:
+        except APIError as exc:
             await send_json(send, exc.status, exc.body())
         except ClientGone:
             pass
@@ -191,7 +192,7 @@ class EngineApp:
 
     async def _generate(self, scope, receive, send, chat: bool):
         if self.draining:
-            raise api.APIError(503, "the engine is draining: send new requests elsewhere")
+            raise APIError(503, "the engine is draining: send new requests elsewhere")
         body = await read_json(receive, self.max_body_bytes)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         parse = functools.partial(
@@ -206,12 +207,12 @@ class EngineApp:
             vocab_size=self.info["vocab_size"],
         )
         # a long text prompt is tokenized in a worker thread: the loop keeps streaming meanwhile
-        long = api.prompt_text_chars(body, chat) >= api.OFF_LOOP_CHARS
+        long = prompt_text_chars(body, chat) >= OFF_LOOP_CHARS
         req = await asyncio.to_thread(parse) if long else parse()
         try:
             rank = self.client.choose_rank(req.rank_hint)
         except RankUnavailable as exc:
-            raise api.APIError(503, str(exc)) from exc
+            raise APIError(503, str(exc)) from exc
         if req.pretokenized:
             self.client.ranks[rank].counters.pretokenized += 1
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -231,7 +232,7 @@ class EngineApp:
                     text.append(out.new_text)
                     last = out
         except RankFailed as exc:
-            raise api.APIError(exc.status, str(exc)) from exc
+            raise APIError(exc.status, str(exc)) from exc
         use = api.usage(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)
         await send_json(
             send,
@@ -269,8 +270,8 @@ class EngineApp:
                     last = out
         except RankFailed as exc:
             if not started:
-                raise api.APIError(exc.status, str(exc)) from exc
-            await send_event(send, api.APIError(exc.status, str(exc)).body())
+                raise APIError(exc.status, str(exc)) from exc
+            await send_event(send, APIError(exc.status, str(exc)).body())
             await send_sse_end(send)
             return
         if req.include_usage:

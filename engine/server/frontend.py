@@ -19,7 +19,7 @@ from engine.sampling_params import SamplingParams
 from engine.server.ipc import AbortRequest, AddRequest, Outputs, RankReady, RankStats, Shutdown
 from engine.server.rank import rank_main
 
-logger = logging.getLogger("engine.front")
+logger = logging.getLogger(__name__)
 
 LOAD_BALANCE_POLICIES = ("least_requests", "round_robin", "least_tokens")
 
@@ -106,7 +106,6 @@ class EngineClient:
         self.ranks = [RankState(r) for r in range(dp_size)]
         self.stopping = False  # shutdown() asked the ranks to stop: their exits are no deaths
         self._cursor = itertools.count()
-        self._ids = itertools.count()
         self.loop: asyncio.AbstractEventLoop | None = None
         self.kv_subscriptions: set[KVSubscription] = set()
 
@@ -277,9 +276,6 @@ class EngineClient:
         return min(rotated, key=key).rank  # min keeps the first of equals: the rotation breaks ties
 
     # ----- request streams -----------------------------------------------------------------------
-    def new_request_id(self, prefix: str) -> str:
-        return f"{prefix}-{next(self._ids)}"
-
     async def generate(
         self, request_id: str, rank: int, prompt_token_ids: list[int], params: SamplingParams
     ):

@@ -6,35 +6,14 @@ Parsing is strict: every value is type-checked before anything is queued, and a 
 
 from __future__ import annotations
 
-import json
-import re
 import time
 from dataclasses import dataclass
 
 from engine.sampling_params import SamplingParams
 from engine.tokenize_cache import encode_text
+from serving.openai_fields import PRETOKENIZED, APIError, is_int, rank_hint
 
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
-_HEADER_INT = re.compile(r"^-?\d+$")
-
-
-class APIError(Exception):
-    def __init__(
-        self, status: int, message: str, param: str | None = None, type: str | None = None
-    ):
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-        self.type = type or ("invalid_request_error" if status < 500 else "server_error")
-
-    def body(self) -> dict:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.status,
-            }
-        }
 
 
 @dataclass
@@ -49,39 +28,8 @@ class ParsedRequest:
     pretokenized: bool = False  # the prompt's ids came with it (PRETOKENIZED): not encoded here
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def rank_hint(body: dict, headers: dict[str, str], dp_size: int) -> int | None:
-    """The requested DP rank from ``data_parallel_rank`` / ``data-parallel-rank`` (body) or
-    ``X-data-parallel-rank`` (header); None when absent. Anything but an in-range integer is a
-    400."""
-    for key in ("data_parallel_rank", "data-parallel-rank"):
-        if body.get(key) is not None:
-            return _check_rank(body[key], key, dp_size)
-    header = headers.get("x-data-parallel-rank")
-    if header is not None and header.strip() != "":
-        value = header.strip()
-        return _check_rank(
-            int(value) if _HEADER_INT.match(value) else value, "X-data-parallel-rank", dp_size
-        )
-    return None
-
-
-def _check_rank(value, param: str, dp_size: int) -> int:
-    if not _is_int(value) or not 0 <= value < dp_size:
-        raise APIError(
-            400,
-            f"Invalid data_parallel_rank={value!r}: it must be an integer in [0, {dp_size - 1}] "
-            f"(dp_size={dp_size})",
-            param=param,
-        )
-    return value
 
 
 def _opt(body: dict, key: str, check, what: str, default=None):
@@ -110,7 +58,7 @@ def _unsupported(body: dict) -> None:
 def sampling_params(body: dict, default_max_tokens: int) -> SamplingParams:
     _unsupported(body)
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    if max_tokens is not None and (not _is_int(max_tokens) or max_tokens <= 0):
+    if max_tokens is not None and (not is_int(max_tokens) or max_tokens <= 0):
         raise APIError(
             400, f"'max_tokens' must be a positive integer, got {max_tokens!r}", param="max_tokens"
         )
@@ -127,29 +75,18 @@ def sampling_params(body: dict, default_max_tokens: int) -> SamplingParams:
         top_p=_opt(
             body, "top_p", lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1]", 1.0
         ),
-        top_k=_opt(body, "top_k", lambda v: _is_int(v) and v >= -1, "an integer >= -1", 0),
-        seed=_opt(body, "seed", _is_int, "an integer"),
+        top_k=_opt(body, "top_k", lambda v: is_int(v) and v >= -1, "an integer >= -1", 0),
+        seed=_opt(body, "seed", is_int, "an integer"),
         stop=[stop] if isinstance(stop, str) else list(stop or []),
         stop_token_ids=_opt(
             body,
             "stop_token_ids",
-            lambda v: isinstance(v, list) and all(map(_is_int, v)),
+            lambda v: isinstance(v, list) and all(map(is_int, v)),
             "a list of integers",
             [],
         ),
         ignore_eos=_opt(body, "ignore_eos", lambda v: isinstance(v, bool), "a boolean", False),
     )
-
-
-def strict_json(raw: bytes | str):
-    """``json.loads`` without the NaN / Infinity / -Infinity that Python's json accepts and JSON
-    does not: a body that carries one is a 400 (it would also come out of a re-encoding as null,
-    msgspec's choice, not as what the client sent)."""
-    return json.loads(raw, parse_constant=_not_json)
-
-
-def _not_json(constant: str):
-    raise ValueError(f"{constant} is not a JSON value")
 
 
 def completion_prompt(
@@ -161,7 +98,7 @@ def completion_prompt(
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str) and prompt:
         return given if given is not None else encode_text(tokenizer, prompt)
-    if isinstance(prompt, list) and prompt and all(map(_is_int, prompt)):
+    if isinstance(prompt, list) and prompt and all(map(is_int, prompt)):
         if not all(0 <= t < vocab_size for t in prompt):
             raise APIError(400, f"prompt token ids must be in [0, {vocab_size})", param="prompt")
         return prompt
@@ -178,19 +115,11 @@ def completion_prompt(
     )
 
 
-# The router's token ids for the prompt (apps/routing/upstream.py): a router that digested a text
-# prompt with this engine's own tokenizer sends them beside the text, so the prompt is tokenized
-# once per request, not twice. The text is still validated as if it were tokenized (the same 400s
-# for the same bodies); the ids replace only its encoding. Not an OpenAI field: a client that
-# sends it itself gets what it would get sending the ids as the prompt.
-PRETOKENIZED = "dpmesh_prompt_token_ids"
-
-
 def pretokenized(body: dict, vocab_size: int) -> list[int] | None:
     ids = body.get(PRETOKENIZED)
     if ids is None:
         return None
-    if not (isinstance(ids, list) and ids and all(map(_is_int, ids))) or not all(
+    if not (isinstance(ids, list) and ids and all(map(is_int, ids))) or not all(
         0 <= t < vocab_size for t in ids
     ):
         raise APIError(
@@ -199,39 +128,6 @@ def pretokenized(body: dict, vocab_size: int) -> list[int] | None:
             param=PRETOKENIZED,
         )
     return ids
-
-
-# A request whose prompt text is this long is parsed (tokenized) in a worker thread, off the event
-# loop: the tokenizer releases the GIL for it (engine/tokenizer.py), and shorter ones cost less
-# than the thread hop. The router uses the same bound for its own tokenizing.
-OFF_LOOP_CHARS = 4096
-
-
-def prompt_text_chars(body, chat: bool) -> int:
-    """How many characters of text a request asks to tokenize (0: token ids, given beside the
-    text too, or not a body we understand; ``parse`` says what is wrong with it)."""
-    if not isinstance(body, dict) or isinstance(body.get(PRETOKENIZED), list):
-        return 0
-    if chat:
-        messages = body.get("messages")
-        if not isinstance(messages, list):
-            return 0
-        total = 0
-        for m in messages:
-            content = m.get("content") if isinstance(m, dict) else None
-            if isinstance(content, str):
-                total += len(content)
-            elif isinstance(content, list):
-                total += sum(
-                    len(p["text"])
-                    for p in content
-                    if isinstance(p, dict) and isinstance(p.get("text"), str)
-                )
-        return total
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1:
-        prompt = prompt[0]
-    return len(prompt) if isinstance(prompt, str) else 0
 
 
 def _message_text(msg: dict, i: int) -> str:

@@ -13,6 +13,8 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.server.ipc import AbortRequest, AddRequest, Outputs, RankReady, RankStats, Shutdown
 
+logger = logging.getLogger(__name__)
+
 STATS_PERIOD_S = 0.25
 
 
@@ -103,10 +105,9 @@ class RankLoop:
 def rank_main(rank: int, config: EngineConfig, inbox: Connection, outbox: Connection) -> None:
     """Entry point of a rank process (spawned)."""
     configure_rank_logging(rank)
-    log = logging.getLogger("engine.rank")
     engine = LLMEngine(config, log_prefix="")
     outbox.send(RankReady(rank, engine.block_manager.num_blocks, engine.max_model_len, os.getpid()))
-    log.info(
+    logger.info(
         "rank %d ready: %d KV blocks, %d threads",
         rank,
         engine.block_manager.num_blocks,
@@ -116,4 +117,4 @@ def rank_main(rank: int, config: EngineConfig, inbox: Connection, outbox: Connec
         RankLoop(rank, engine, inbox, outbox).run()
     except (EOFError, BrokenPipeError, KeyboardInterrupt):
         pass  # the front went away or we were told to stop
-    log.info("rank %d stopped", rank)
+    logger.info("rank %d stopped", rank)

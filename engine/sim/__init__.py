@@ -8,6 +8,12 @@ LRU, KV events), metrics, detokenizer and stop logic are the engine's own code. 
 - ``step_time``: the cost of one engine step from its shape (prefill tokens, decodes, context).
 - ``profiles``: named hardware/model pairs (coefficients, KV capacity, limits) with sources.
 - ``runner``: ``SimulatedRunner``, the stand-in for ``ModelRunner``.
-- ``fit``: ``python -m engine.sim.fit`` measures our own CPU engine and fits ``cpu-tiny``.
+- ``fit``: the least-squares fit of the step-time model to measured steps; the measuring is
+  ``python -m engine.fit_step_time``, which times our own CPU engine and fits ``cpu-tiny``.
 - ``memcheck``: ``python -m engine.sim.memcheck`` starts a simulated server and reports its RSS.
+
+Arrows: ``engine.llm_engine`` imports ``engine.sim.runner`` when ``EngineConfig.simulate`` asks
+for it (the simulated runner is one of the engine's runners), and ``engine.server.main`` reads
+``engine.sim.profiles``. Nothing under ``engine.sim`` imports ``engine.llm_engine`` or the server:
+tools that drive the whole engine (``engine.fit_step_time``) live above, outside this package.
 """

@@ -22,7 +22,7 @@ below:
   server (``EngineArgs.get_batch_defaults`` in vllm/engine/arg_utils.py: 1024 / 8192 for GPUs of
   70 GiB and more except A100, 256 / 2048 otherwise).
 
-``cpu-tiny`` is fitted to our own engine by ``python -m engine.sim.fit``.
+``cpu-tiny`` is fitted to our own engine by ``python -m engine.fit_step_time``.
 """
 
 from __future__ import annotations
@@ -217,7 +217,8 @@ A100_40GB_LLAMA_31_8B = _gpu_profile(
 )
 
 # Our own engine on the tiny model (engine.tiny: 6 layers, 4 KV heads of 32, float32), fitted
-# by `python -m engine.sim.fit` on 2026-12-01 on this project's box (2 vCPU AMD EPYC, 24 GiB,
+# by `python -m engine.sim.fit` (now `python -m engine.fit_step_time`; ``sources`` keeps the
+# command as it was run) on 2026-12-01 on this project's box (2 vCPU AMD EPYC, 24 GiB,
 # torch 2.13 CPU, one torch thread as a rank of a DP-2 server gets): 64 grid points (prefills of
 # 16-1024 tokens after 0-768 cached, decode batches of 1-64 at contexts 16-1024, decodes with a
 # 128-token prefill), RMS error 7.3 ms, mean 10.6 %, max 39 %, R^2 0.992.

@@ -19,7 +19,7 @@ from engine.config import EngineConfig
 from engine.sim.profiles import Profile, get_profile
 from engine.sim.step_time import shape_of
 
-logger = logging.getLogger("engine.sim")
+logger = logging.getLogger(__name__)
 
 _POSITION = struct.Struct("<Q")
 _SEED = struct.Struct("<q")

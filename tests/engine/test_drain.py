@@ -1,4 +1,4 @@
-"""Graceful drain of the engine process (engine/server/drain.py): at SIGTERM its /health says
+"""Graceful drain of the engine process (serving/drain.py): at SIGTERM its /health says
 ``draining`` (503) and new requests get a 503 OpenAI error while the stream in flight runs to its
 end; then the process exits 0. The simulated engine (its step time slowed down so a stream lasts
 seconds) serves it: the drain is the front's, the same code with a model."""
@@ -11,8 +11,8 @@ import time
 import httpx
 import pytest
 
+from harness.procs import start_engine, wait_for
 from tests.routing.test_drain import DIRTY, Stream
-from tests.support.procs import start_engine, wait_for
 
 pytestmark = pytest.mark.slow
 

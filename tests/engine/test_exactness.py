@@ -110,7 +110,7 @@ def test_decodes_sharing_a_prefix_attend_to_it_as_a_group(reference):
 
 
 def test_cascade_groups_share_only_whole_leading_blocks():
-    from engine.model_runner import CASCADE_MIN_BLOCKS, cascade_groups
+    from engine.paged_context import CASCADE_MIN_BLOCKS, cascade_groups
 
     shared = list(range(100, 100 + CASCADE_MIN_BLOCKS + 2))
     tables = [shared + [1], shared + [2, 3], shared[:2] + [4] * 8, [7] * 9, shared[:-1]]
@@ -169,7 +169,8 @@ def test_cascade_merge_equals_attention_over_the_whole_context(dtype, tol):
     ``attend``, equals plain SDPA over each row's whole table."""
     from types import SimpleNamespace
 
-    from engine.model_runner import ModelRunner, attend
+    from engine.model_runner import ModelRunner
+    from engine.paged_attention import attend
 
     torch.manual_seed(0)
     bs, kv_heads, heads, head_dim = 4, 2, 4, 16

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from engine.digests import chain_digests
-from tests.support.procs import metrics, start_engine, wait_for
+from harness.procs import metrics, start_engine, wait_for
 
 pytestmark = pytest.mark.slow
 

@@ -8,7 +8,7 @@ import signal
 import httpx
 import pytest
 
-from tests.support.procs import metrics, start_engine, wait_for
+from harness.procs import metrics, start_engine, wait_for
 
 pytestmark = pytest.mark.slow
 

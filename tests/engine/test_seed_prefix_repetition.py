@@ -9,7 +9,7 @@ import re
 import httpx
 import pytest
 
-from tests.support.procs import metrics, start_engine
+from harness.procs import metrics, start_engine
 
 pytestmark = pytest.mark.slow
 

@@ -7,7 +7,7 @@ import httpx
 import openai
 import pytest
 
-from tests.support.procs import metrics, start_engine, wait_for
+from harness.procs import metrics, start_engine, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -173,7 +173,8 @@ BAD_INPUTS = [
     ("completions", {"prompt": "the cat sat " * 500}, 400),
     ("chat", {"messages": [{"role": "user", "content": "the cat sat " * 500}]}, 400),
     ("completions", {"prompt": "the cat sat " * 400, "temperature": "hot"}, 400),
-    # a router's token ids beside the text (openai_api.PRETOKENIZED): checked, and the text still is
+    # a router's token ids beside the text (serving.openai_fields.PRETOKENIZED): checked, and the
+    # text still is
     ("completions", {"prompt": "x", "dpmesh_prompt_token_ids": "12 13"}, 400),
     ("completions", {"prompt": "x", "dpmesh_prompt_token_ids": []}, 400),
     ("completions", {"prompt": "x", "dpmesh_prompt_token_ids": [12, 99999]}, 400),

@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support.procs import free_port, metrics, start, start_engine
+from harness.procs import free_port, metrics, sglang_router_command, start, start_engine
 
 pytestmark = pytest.mark.slow
 
@@ -17,23 +17,10 @@ DP = 2
 
 
 def router_cmd(worker: str, port: int, policy: str) -> list[str]:
-    exe = shutil.which("sglang-router", path=str(Path(sys.executable).parent))
-    assert exe, "sglang-router is a test dependency (requirements.txt)"
-    return [
-        exe,
-        "launch",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--worker-urls",
-        worker,
-        "--dp-aware",
-        "--policy",
-        policy,
-        "--log-level",
-        "warn",
-    ]
+    assert shutil.which("sglang-router", path=str(Path(sys.executable).parent)), (
+        "sglang-router is a test dependency (requirements.txt)"
+    )
+    return sglang_router_command(worker, port=port, policy=policy)
 
 
 def test_sglang_router_dp_aware_ranks_are_honoured(tmp_path):

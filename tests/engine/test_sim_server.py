@@ -8,6 +8,7 @@ max_tokens over HTTP, and no torch in the front or the ranks."""
 import httpx
 import pytest
 
+from harness.procs import metrics, start_engine
 from tests.engine import test_kv_events, test_rank_failure
 from tests.engine.test_server_api import (  # noqa: F401  (collected here, against a sim engine)
     DP,
@@ -24,7 +25,6 @@ from tests.engine.test_server_api import (  # noqa: F401  (collected here, again
     test_unhinted_requests_spread_over_ranks,
     test_wrong_method_and_path,
 )
-from tests.support.procs import metrics, start_engine
 
 pytestmark = pytest.mark.slow
 
