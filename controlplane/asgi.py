@@ -23,30 +23,36 @@ from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
 
 from apps.replicas.runtime import SCOPE_KEY  # noqa: E402
-from apps.routing.endpoint import PATHS as PROXY_PATHS  # noqa: E402
-from apps.routing.endpoint import OpenAIEndpoint  # noqa: E402
+from apps.routing.live import LiveFleet  # noqa: E402
+from apps.routing.proxy.admission import make_admission  # noqa: E402
+from apps.routing.proxy.endpoint import PATHS as PROXY_PATHS  # noqa: E402
+from apps.routing.proxy.endpoint import OpenAIEndpoint  # noqa: E402
 from apps.routing.websocket_urls import websocket_urlpatterns  # noqa: E402
 
 
-def build_application(router, django_http=django_asgi_app):
-    """The ASGI app of a router process serving through ``router``."""
-    proxy = OpenAIEndpoint(router)
+def build_application(router, admission=None, django_http=django_asgi_app):
+    """The ASGI app of a router process serving through ``router``, admitting through
+    ``admission`` (the process's; None: one made for this app). Django's views and the websocket
+    find both in their scope, through the process's ``LiveFleet``."""
+    admission = admission or make_admission(router)
+    proxy = OpenAIEndpoint(router, admission)
+    live = LiveFleet(router, admission)
     websocket = AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns)))
 
     async def http_app(scope, receive, send):
         if scope["path"] in PROXY_PATHS:  # the hot path skips Django's middleware
             return await proxy(scope, receive, send)
-        return await django_http({**scope, SCOPE_KEY: router}, receive, send)
+        return await django_http({**scope, SCOPE_KEY: live}, receive, send)
 
     async def websocket_app(scope, receive, send):
-        return await websocket({**scope, SCOPE_KEY: router}, receive, send)
+        return await websocket({**scope, SCOPE_KEY: live}, receive, send)
 
     return ProtocolTypeRouter({"http": http_app, "websocket": websocket_app})
 
 
 def __getattr__(name):
     if name == "application":
-        from apps.routing.router import Router
+        from apps.routing.decision.router import Router
 
         app = build_application(Router())
         globals()["application"] = app

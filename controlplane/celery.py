@@ -1,8 +1,8 @@
 """The Celery app. With ``REDIS_URL`` it uses Redis as broker and result backend, and a worker
 plus beat run the periodic jobs (``celery -A controlplane worker --beat``); without it tasks run
 eagerly where they are sent and the router process schedules the periodic jobs itself
-(apps/routing/jobs.py, embedded_jobs_loop). Both read the ``CELERY_*`` settings and the same
-intervals.
+(apps/routing/jobs.py, embedded_jobs_loop; the jobs themselves: apps/replicas/jobs.py). Both read
+the ``CELERY_*`` settings and the same intervals.
 """
 
 import os
@@ -25,15 +25,15 @@ def schedule_periodic_jobs(sender, **kwargs):
     # a scrape that waited longer than one interval is stale: drop it rather than pile up
     sender.add_periodic_task(
         cp["SCRAPE_INTERVAL_S"],
-        sender.signature("routing.scrape_fleet"),
+        sender.signature("replicas.scrape_fleet"),
         name="scrape engines",
         expires=cp["SCRAPE_INTERVAL_S"],
     )
     sender.add_periodic_task(
         cp["DISCOVERY_REFRESH_INTERVAL_S"],
-        sender.signature("routing.refresh_discovery"),
+        sender.signature("replicas.refresh_discovery"),
         name="refresh discovery",
     )
     sender.add_periodic_task(
-        cp["PRUNE_INTERVAL_S"], sender.signature("routing.prune"), name="prune time series"
+        cp["PRUNE_INTERVAL_S"], sender.signature("replicas.prune"), name="prune time series"
     )

@@ -2,8 +2,8 @@
 ``{"error": {"message", "type", "param", "code"}}`` with the HTTP status (``code`` is the status
 unless a more specific code is given, as OpenAI's ``invalid_api_key``).
 
-The engine writes the same shape from its own module (engine/server/openai_api.py): it imports
-nothing from the control plane.
+The engine and the proxy write the same shape with ``serving.openai_fields.APIError``; the
+engine imports nothing from the control plane.
 """
 
 from __future__ import annotations

@@ -148,14 +148,15 @@ CONTROL_PLANE = namespaced_settings(
         "SHARE_INDEX": True,
         # Follow the KV events of engines that publish them (ours: GET /kv_events) into the index.
         "KV_EVENTS": True,
-        # Admission control per router process (apps/routing/admission.py; runrouter's flags of the
-        # same names win): 0 = no concurrency limit / saturation rule off. smg's queue defaults.
+        # Admission control per router process (apps/routing/proxy/admission.py; runrouter's flags
+        # of the same names win): 0 = no concurrency limit / saturation rule off. smg's queue
+        # defaults.
         "MAX_CONCURRENT_REQUESTS": 0,
         "QUEUE_SIZE": 100,
         "QUEUE_TIMEOUT_S": 60.0,
         "SATURATION_QUEUED_PREFILL_TOKENS": 0,
         "SATURATION_KV_USAGE": 0.0,
-        # On SIGTERM/SIGINT: how long in-flight requests may run on (apps/routing/drain.py).
+        # On SIGTERM/SIGINT: how long in-flight requests may run on (apps/routing/proxy/drain.py).
         "DRAIN_TIMEOUT_S": 25.0,
     },
 )

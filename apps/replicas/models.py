@@ -2,12 +2,7 @@
 
 from django.db import models
 
-
-def target_key(url: str, rank: int | None) -> str:
-    """How a routing target is named everywhere (metrics, the index, the dashboard, headers):
-    ``url@rank`` for a DP rank, the bare URL for a worker routed as one target (``url`` as
-    recorded: services.normalize_url strips its trailing slash)."""
-    return url if rank is None else f"{url}@{rank}"
+from apps.replicas.targets import target_key
 
 
 class Worker(models.Model):
@@ -55,7 +50,7 @@ class Rank(models.Model):
     worker = models.ForeignKey(Worker, on_delete=models.CASCADE, related_name="ranks")
     rank = models.PositiveIntegerField(null=True, blank=True)
     circuit_state = models.CharField(max_length=16, default="closed")
-    # Counters persisted periodically from the router's memory (apps.routing.stats).
+    # Counters persisted periodically from the router's memory (apps.routing.decision.stats).
     requests = models.BigIntegerField(default=0)
     prompt_tokens = models.BigIntegerField(default=0)
     cached_tokens = models.BigIntegerField(default=0, help_text="reported by the engine")

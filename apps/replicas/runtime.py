@@ -2,9 +2,10 @@
 the routing app (the one arrow between the apps points from routing to replicas).
 
 The services of this app write the durable record (``Worker``, ``Rank``); when they run inside a
-router process they also tell its live fleet, through a ``FleetRuntime`` (``apps.routing.router
-.Router`` implements it). Without one (a Celery worker, a shell), they only write the database,
-and every router process applies the change when it next syncs from it (within seconds).
+router process they also tell its live fleet, through a ``FleetRuntime``
+(``apps.routing.decision.router .Router`` implements it). Without one (a Celery worker, a shell),
+they only write the database, and every router process applies the change when it next syncs from it
+(within seconds).
 
 The router process hands its runtime to each request: ``controlplane.asgi`` puts it in the ASGI
 scope under ``SCOPE_KEY``; a WSGI request (Django's test client) carries it in its environ.

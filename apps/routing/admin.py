@@ -8,8 +8,8 @@ from django.contrib import admin
 from django.db import transaction
 
 from apps.routing.jobs import notify_dashboard
+from apps.routing.live import router_of
 from apps.routing.models import BenchRun, RoutingSettings
-from apps.routing.router import router_of
 
 
 async def _apply_policy(router, name: str) -> None:

@@ -12,7 +12,7 @@ from channels.generic.websocket import AsyncJsonWebsocketConsumer
 from django.conf import settings
 
 from apps.routing.jobs import DASHBOARD_GROUP
-from apps.routing.router import router_of
+from apps.routing.live import live_of, router_of
 from apps.routing.selectors import build_snapshot
 from apps.routing.services import policy_set
 
@@ -45,7 +45,7 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
         while True:
             self.pending.clear()
             try:
-                await self.send_json(await sync_to_async(build_snapshot)(router_of(self.scope)))
+                await self.send_json(await sync_to_async(build_snapshot)(*_served(self.scope)))
             except asyncio.CancelledError:
                 raise
             except Exception:
@@ -77,3 +77,9 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
             )
         except ValueError as exc:
             await self.send_json({"type": "error", "message": str(exc)})
+
+
+def _served(scope) -> tuple:
+    """The router and admission control of the process serving this websocket."""
+    live = live_of(scope)
+    return live.router, live.admission

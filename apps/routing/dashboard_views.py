@@ -12,8 +12,8 @@ from django.shortcuts import render
 from django.views.decorators.http import require_GET, require_POST
 
 from apps.routing import benchjob, services
-from apps.routing.policies import POLICIES
-from apps.routing.router import router_of
+from apps.routing.decision.policies import POLICIES
+from apps.routing.live import live_of, router_of
 from apps.routing.selectors import build_snapshot
 from controlplane.errors import error_response
 
@@ -45,7 +45,8 @@ def dashboard(request):
 @staff_member_required
 @require_GET
 async def snapshot(request):
-    return JsonResponse(await sync_to_async(build_snapshot)(router_of(request)))
+    live = live_of(request)
+    return JsonResponse(await sync_to_async(build_snapshot)(live.router, live.admission))
 
 
 @staff_member_required

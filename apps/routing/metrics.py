@@ -23,131 +23,161 @@ _TARGET_COUNTERS = [
 ]
 
 
+# per-target gauges: (name, help, read(router, target)); the load this router process sees ...
+_LOAD_GAUGES = [
+    (
+        "inflight_requests",
+        "Requests in flight from this router process",
+        lambda router, t: t.load.requests,
+    ),
+    (
+        "inflight_prompt_tokens",
+        "Prompt tokens in flight from this router process",
+        lambda router, t: t.load.prompt_tokens,
+    ),
+    (
+        "peer_inflight_requests",
+        "Requests in flight from the other router processes (as they last published)",
+        lambda router, t: t.load.peer_requests,
+    ),
+    (
+        "pending_prefill_tokens",
+        "Predicted uncached tokens not yet prefilled",
+        lambda router, t: t.load.pending_prefill_tokens,
+    ),
+    ("target_up", "1 while the target can be chosen", lambda router, t: int(t.available)),
+    (
+        "index_blocks",
+        "Digests the prefix index holds for the target",
+        lambda router, t: router.index.size(t.key),
+    ),
+]
+# ... and why a target can or cannot be chosen (its worker's health and drain, its breaker)
+_STATE_GAUGES = [
+    (
+        "worker_healthy",
+        "1 while the worker passes its health checks",
+        lambda router, t: int(t.worker.healthy),
+    ),
+    (
+        "worker_draining",
+        "1 while the worker is drained (no new requests)",
+        lambda router, t: int(t.worker.draining),
+    ),
+    (
+        "circuit_open",
+        "1 while the target's circuit breaker refuses requests",
+        lambda router, t: int(t.breaker.state == "open"),
+    ),
+]
+_TARGET_LABELS = ["target", "worker", "rank"]
+
+
+def _target_labels(t) -> list[str]:
+    return [t.key, t.worker.url, "" if t.rank is None else str(t.rank)]
+
+
 class RouterCollector:
+    """The router's /metrics families, always in the same order (per target, the answers, the
+    policy, the observers', the tokenizer's): each group is its own generator, and ``collect``
+    chains them, so a new family goes into the group it belongs to."""
+
     def __init__(self, router):
         self.router = router
 
     def collect(self):
+        # one fleet listing for every per-target family, so a scrape's families agree on targets
         targets = self.router.fleet.all_targets()
+        yield from self._target_counters(targets)
+        yield from self._target_gauges(targets, _LOAD_GAUGES)
+        yield from self._target_gauges(targets, _STATE_GAUGES)
+        yield from self._response_families()
+        yield _policy_info(self.router)
+        yield from self._observer_families()
+        yield CounterMetricFamily(
+            f"{PREFIX}_retries",
+            "Upstream attempts retried on another target",
+            value=self.router.stats.retries,
+        )
+        yield from _tokenizer_families()
+        yield CounterMetricFamily(
+            f"{PREFIX}_no_target",
+            "Requests refused because no target was available",
+            value=self.router.stats.no_target,
+        )
+
+    def _target_counters(self, targets):
+        """What the router sent each target and how it went (``_TARGET_COUNTERS``); a target
+        without stats yet reads 0, so every target has every series from its first scrape."""
         stats = self.router.stats.targets
-        labels = ["target", "worker", "rank"]
-
-        def label_values(t):
-            return [t.key, t.worker.url, "" if t.rank is None else str(t.rank)]
-
         for name, help_text, attr in _TARGET_COUNTERS:
-            family = CounterMetricFamily(f"{PREFIX}_{name}", help_text, labels=labels)
+            family = CounterMetricFamily(f"{PREFIX}_{name}", help_text, labels=_TARGET_LABELS)
             for t in targets:
                 s = stats.get(t.key)
-                family.add_metric(label_values(t), getattr(s, attr) if s else 0)
+                family.add_metric(_target_labels(t), getattr(s, attr) if s else 0)
             yield family
-        gauges = [
-            (
-                "inflight_requests",
-                "Requests in flight from this router process",
-                lambda t: t.load.requests,
-            ),
-            (
-                "inflight_prompt_tokens",
-                "Prompt tokens in flight from this router process",
-                lambda t: t.load.prompt_tokens,
-            ),
-            (
-                "peer_inflight_requests",
-                "Requests in flight from the other router processes (as they last published)",
-                lambda t: t.load.peer_requests,
-            ),
-            (
-                "pending_prefill_tokens",
-                "Predicted uncached tokens not yet prefilled",
-                lambda t: t.load.pending_prefill_tokens,
-            ),
-            ("target_up", "1 while the target can be chosen", lambda t: int(t.available)),
-            (
-                "index_blocks",
-                "Digests the prefix index holds for the target",
-                lambda t: self.router.index.size(t.key),
-            ),
-        ]
+
+    def _target_gauges(self, targets, gauges):
+        """One gauge family per ``(name, help, read)`` of ``gauges``, a series per target."""
         for name, help_text, read in gauges:
-            family = GaugeMetricFamily(f"{PREFIX}_{name}", help_text, labels=labels)
+            family = GaugeMetricFamily(f"{PREFIX}_{name}", help_text, labels=_TARGET_LABELS)
             for t in targets:
-                family.add_metric(label_values(t), read(t))
+                family.add_metric(_target_labels(t), read(self.router, t))
             yield family
-        for name, help_text, read in [
-            (
-                "worker_healthy",
-                "1 while the worker passes its health checks",
-                lambda t: int(t.worker.healthy),
-            ),
-            (
-                "worker_draining",
-                "1 while the worker is drained (no new requests)",
-                lambda t: int(t.worker.draining),
-            ),
-            (
-                "circuit_open",
-                "1 while the target's circuit breaker refuses requests",
-                lambda t: int(t.breaker.state == "open"),
-            ),
-        ]:
-            family = GaugeMetricFamily(f"{PREFIX}_{name}", help_text, labels=labels)
-            for t in targets:
-                family.add_metric(label_values(t), read(t))
-            yield family
-        stats_ = self.router.stats
+
+    def _response_families(self):
+        """What the clients got: answers by endpoint and status, then the latency histograms."""
+        stats = self.router.stats
         family = CounterMetricFamily(
             f"{PREFIX}_http_responses",
             "OpenAI answers sent, by endpoint and status",
             labels=["endpoint", "status"],
         )
-        for (endpoint, status), count in sorted(stats_.responses.items()):
+        for (endpoint, status), count in sorted(stats.responses.items()):
             family.add_metric([endpoint, str(status)], count)
         yield family
         for name, help_text, hist in [
             (
                 "request_duration_seconds",
                 "Routed requests: dispatch to the end of the upstream answer",
-                stats_.latency,
+                stats.latency,
             ),
             (
                 "time_to_first_token_seconds",
                 "Streamed requests: dispatch to the first token",
-                stats_.ttft,
+                stats.ttft,
             ),
         ]:
             family = HistogramMetricFamily(f"{PREFIX}_{name}", help_text)
             family.add_metric([], hist.cumulative(), sum_value=hist.sum)
             yield family
-        yield _policy_info(self.router)
+
+    def _observer_families(self):
+        """The families of the parts that keep their own counts: the sessions, then each dispatch
+        observer (the shared index, the KV-event feed, admission control) in attach order."""
         yield from self.router.sessions.metric_families(PREFIX)
-        for observer in self.router.observers:  # the shared index, the KV-event feed
+        for observer in self.router.observers:
             yield from observer.metric_families()
-        yield CounterMetricFamily(
-            f"{PREFIX}_retries",
-            "Upstream attempts retried on another target",
-            value=self.router.stats.retries,
-        )
-        counts = tokenizer_counters()
-        family = CounterMetricFamily(
-            f"{PREFIX}_tokenizer_chars",
-            "Prompt characters of long texts tokenized for routing: taken from the prefix token "
-            "cache (cached) or encoded",
-            labels=["source"],
-        )
-        for source in ("cached", "encoded"):
-            family.add_metric([source], counts[source])
-        yield family
-        yield CounterMetricFamily(
-            f"{PREFIX}_tokenizer_cache_mismatches",
-            "Prefix token caches turned off: a chunked encode differed from the whole text's",
-            value=counts["mismatches"],
-        )
-        yield CounterMetricFamily(
-            f"{PREFIX}_no_target",
-            "Requests refused because no target was available",
-            value=self.router.stats.no_target,
-        )
+
+
+def _tokenizer_families():
+    """The prefix token cache of engine.tokenize_cache: how much of the prompts' text it spared
+    encoding, and how often it had to turn itself off (a chunked encode that differed)."""
+    counts = tokenizer_counters()
+    family = CounterMetricFamily(
+        f"{PREFIX}_tokenizer_chars",
+        "Prompt characters of long texts tokenized for routing: taken from the prefix token "
+        "cache (cached) or encoded",
+        labels=["source"],
+    )
+    for source in ("cached", "encoded"):
+        family.add_metric([source], counts[source])
+    yield family
+    yield CounterMetricFamily(
+        f"{PREFIX}_tokenizer_cache_mismatches",
+        "Prefix token caches turned off: a chunked encode differed from the whole text's",
+        value=counts["mismatches"],
+    )
 
 
 def _policy_info(router) -> GaugeMetricFamily:

@@ -3,7 +3,7 @@
 from django.conf import settings
 from django.db import models
 
-from apps.routing.policies import POLICY_NAMES
+from apps.routing.decision.policies import POLICY_NAMES
 
 POLICY_CHOICES = [(name, name) for name in POLICY_NAMES]
 

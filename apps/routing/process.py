@@ -7,7 +7,6 @@ composed here, in ``RouterProcess``, and handed the router it needs.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import gc
 import logging
@@ -16,161 +15,32 @@ from django.conf import settings
 
 from apps.replicas.services import worker_add
 from apps.routing import jobs
-from apps.routing.admission import Admission
-from apps.routing.drain import Drain
-from apps.routing.fleet_sync import FleetSync
-from apps.routing.health import health_loop, probe_all
-from apps.routing.kv_events import KVEventsFeed
-from apps.routing.persist import stats_loop
-from apps.routing.policies import POLICY_NAMES
-from apps.routing.router import Router, RouterConfig
+from apps.routing.decision.router import Router
+from apps.routing.feeds.fleet_sync import FleetSync
+from apps.routing.feeds.health import health_loop, probe_all
+from apps.routing.feeds.kv_events import KVEventsFeed
+from apps.routing.feeds.persist import stats_loop
+from apps.routing.feeds.shared_index import IndexSync
+from apps.routing.flags import DEFAULT_ROUTER_PORT, config_from_options
+from apps.routing.live import LiveFleet
+from apps.routing.proxy.admission import make_admission
+from apps.routing.proxy.drain import Drain
 from apps.routing.services import policy_adopt
-from apps.routing.shared_index import IndexSync
 from controlplane import http
 
-logger = logging.getLogger("apps.router")
+logger = logging.getLogger(__name__)
 
-DEFAULT_ROUTER_PORT = 30000
 STOP_WAIT_S = 2.0  # at shutdown, for the background loops and the cut requests to end
 # connections the kernel holds for the router before it accepts them: uvicorn's default (vLLM's
 # and SGLang's servers); Twisted's own, 50, overflowed under a burst of 1,000 streams and those
-# clients' connections were reset (docs/benchmarks.md, issue 12). The kernel caps it at somaxconn.
+# clients' connections were reset (docs/benchmarks.md, the overload runs). The kernel caps it at
+# somaxconn.
 LISTEN_BACKLOG = 2048
 
 
 def listen_endpoint(host: str, port: int) -> str:
     """The Twisted endpoint string daphne listens on."""
     return f"tcp:port={port}:interface={host}:backlog={LISTEN_BACKLOG}"
-
-
-def add_router_arguments(
-    parser: argparse.ArgumentParser, *, port: int = DEFAULT_ROUTER_PORT
-) -> None:
-    parser.add_argument("--worker-urls", nargs="*", default=[], help="engine URLs to route to")
-    parser.add_argument(
-        "--dp-aware",
-        action="store_true",
-        help="one target per DP rank (from /server_info dp_size); inject data_parallel_rank",
-    )
-    parser.add_argument("--policy", default=None, choices=POLICY_NAMES)
-    # what discovery cannot know or gets wrong, for every --worker-urls worker (POST /workers's
-    # fields of the same names do it per worker)
-    parser.add_argument(
-        "--worker-dp-size",
-        "--intra-node-data-parallel-size",  # vllm-router's name
-        dest="worker_dp_size",
-        type=int,
-        default=None,
-        help="the workers' DP size, instead of what discovery finds",
-    )
-    parser.add_argument("--worker-block-size", type=int, default=None)
-    parser.add_argument("--worker-tokenizer-path", default=None)
-    parser.add_argument(
-        "--worker-kv-events",
-        nargs="+",
-        default=None,
-        metavar="ENDPOINT",
-        help="vLLM: its ZMQ KV-event publishers, one per rank (or the first, the next ports after)",
-    )
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=port)
-    parser.add_argument(
-        "--tokenizer-path",
-        default=None,
-        help="tokenizer for digests when workers' model paths are not readable here",
-    )
-    parser.add_argument(
-        "--cache-threshold", type=float, default=None, help="accepted for SGLang compatibility"
-    )
-    parser.add_argument(
-        "--balance-abs-threshold", type=int, default=None, help="accepted for SGLang compatibility"
-    )
-    parser.add_argument(
-        "--balance-rel-threshold",
-        type=float,
-        default=None,
-        help="accepted for SGLang compatibility",
-    )
-    parser.add_argument(
-        "--decode-weight",
-        type=float,
-        default=None,
-        help="cache_aware: prefill-token cost of each request already running on a rank",
-    )
-    parser.add_argument("--health-check-interval-secs", type=float, default=None)
-    parser.add_argument("--health-failure-threshold", type=int, default=None)
-    parser.add_argument("--health-success-threshold", type=int, default=None)
-    parser.add_argument("--request-timeout-secs", type=float, default=None)
-    parser.add_argument("--max-retries", type=int, default=None)
-    parser.add_argument("--prefix-ttl-secs", type=float, default=None)
-    parser.add_argument(
-        "--session-ttl-secs",
-        type=float,
-        default=None,
-        help="how long a client session (X-Session-ID header or the OpenAI user field) keeps "
-        "its rank after its last request (default 600)",
-    )
-    add_admission_arguments(parser)
-    parser.add_argument(
-        "--api-key",
-        action="append",
-        default=None,
-        metavar="KEY",
-        help="require 'Authorization: Bearer KEY' on /v1/completions, /v1/chat/completions and "
-        "/v1/models (repeatable; vLLM's flag; replaces CONTROL_PLANE_API_KEYS)",
-    )
-    parser.add_argument(
-        "--admin-key",
-        action="append",
-        default=None,
-        metavar="KEY",
-        help="Bearer key for the workers API's mutations, besides a staff session (repeatable; "
-        "replaces CONTROL_PLANE_ADMIN_KEYS)",
-    )
-
-
-def add_admission_arguments(parser: argparse.ArgumentParser) -> None:
-    """Admission control and drain (apps/routing/admission.py, drain.py); the defaults are the
-    settings' (CONTROL_PLANE_MAX_CONCURRENT_REQUESTS ...)."""
-    parser.add_argument(
-        "--max-concurrent-requests",
-        type=int,
-        default=None,
-        help="requests this router process lets through at once; more wait (0: no limit)",
-    )
-    parser.add_argument(
-        "--queue-size",
-        type=int,
-        default=None,
-        help="requests that may wait for admission; more get 429 (default 100)",
-    )
-    parser.add_argument(
-        "--queue-timeout-secs",
-        type=float,
-        default=None,
-        help="a queued request's deadline for its first token: a 429 once its wait plus the "
-        "engines' recent time to a first token would pass it (default 60)",
-    )
-    parser.add_argument(
-        "--saturation-queued-prefill-tokens",
-        type=int,
-        default=None,
-        help="new requests wait while every target has this many prefill tokens queued (0: off)",
-    )
-    parser.add_argument(
-        "--saturation-kv-usage",
-        type=float,
-        default=None,
-        help="new requests wait while every target whose KV usage is known uses this fraction "
-        "of its KV cache (0: off)",
-    )
-    parser.add_argument(
-        "--drain-timeout-secs",
-        type=float,
-        default=None,
-        help="on SIGTERM/SIGINT, how long in-flight requests may finish before the router stops "
-        "(default 25)",
-    )
 
 
 class RouterProcess:
@@ -201,7 +71,8 @@ class RouterProcess:
         self.overrides = overrides or None  # for each of worker_urls
         router.fleet.loading = True  # from before the socket listens until start() is done
         self.fleet_sync = FleetSync(router)
-        self.admission = Admission.for_router(router)
+        self.admission = make_admission(router)
+        self.live = LiveFleet(router, self.admission)  # what the replicas' services tell
         self.drain = Drain(router, self.admission, router.config.drain_timeout_s)
         self.index_sync: IndexSync | None = None
         # the loop keeps only weak references to tasks: the process holds them for its life
@@ -213,7 +84,7 @@ class RouterProcess:
         try:
             restored = await self.fleet_sync.sync()
             for url in self.worker_urls:
-                await worker_add(url=url, strict=False, overrides=self.overrides, runtime=router)
+                await worker_add(url=url, strict=False, overrides=self.overrides, runtime=self.live)
             await probe_all(router)  # restored workers may be long gone: none serves unprobed
             await policy_adopt(router=router, flag=self.policy_flag)
         except Exception:  # /health stays 503: this process has no fleet to serve
@@ -265,7 +136,8 @@ class RouterProcess:
 
 
 def serve_router(opts: dict, on_ready=None) -> None:
-    """Run a router process (blocking) until SIGINT/SIGTERM, then drain it (apps/routing/drain.py)
+    """Run a router process (blocking) until SIGINT/SIGTERM, then drain it
+    (apps/routing/proxy/drain.py)
     and return."""
     for flag, name in (("api_key", "API_KEYS"), ("admin_key", "ADMIN_KEYS")):
         # a new dict: the settings' default stays untouched for whoever copied it
@@ -277,9 +149,9 @@ def serve_router(opts: dict, on_ready=None) -> None:
     from twisted.internet.defer import Deferred
 
     from controlplane.asgi import build_application
-    from engine.server.drain import close_loop, stop_reactor
+    from serving.drain import close_loop, stop_reactor
 
-    router = Router(RouterConfig.from_options(opts))
+    router = Router(config_from_options(opts))
     overrides = {
         name: opts.get(f"worker_{name}")
         for name in ("dp_size", "block_size", "tokenizer_path", "kv_events")
@@ -291,7 +163,7 @@ def serve_router(opts: dict, on_ready=None) -> None:
     loop = reactor._asyncioEventloop
     loop.call_soon(lambda: asyncio.ensure_future(process.start()))
     host, port = opts.get("host") or "127.0.0.1", opts.get("port") or DEFAULT_ROUTER_PORT
-    app = _with_static(build_application(router), ASGIStaticFilesHandler)
+    app = _with_static(build_application(router, process.admission), ASGIStaticFilesHandler)
     reactor.addSystemEventTrigger(
         "before", "shutdown", lambda: Deferred.fromFuture(asyncio.ensure_future(process.stop()))
     )
@@ -320,33 +192,3 @@ def _with_static(application, handler):
         return await application(scope, receive, send)
 
     return app
-
-
-def ensure_admin_user() -> str:
-    """Create the first admin from ``DJANGO_SUPERUSER_USERNAME`` / ``DJANGO_SUPERUSER_PASSWORD``
-    (/ ``DJANGO_SUPERUSER_EMAIL``; Django's own names) when set and absent. Returns one line for
-    the banner: who can log in, or how to create someone who can."""
-    import os
-
-    from django.contrib.auth import get_user_model
-    from django.core.management import call_command
-
-    users = get_user_model().objects
-    name = os.environ.get("DJANGO_SUPERUSER_USERNAME", "").strip()
-    if (
-        name
-        and os.environ.get("DJANGO_SUPERUSER_PASSWORD")
-        and not users.filter(username=name).exists()
-    ):
-        os.environ.setdefault("DJANGO_SUPERUSER_EMAIL", "")
-        call_command("createsuperuser", interactive=False, username=name, verbosity=0)
-        return (
-            f"admin user {name!r} created from DJANGO_SUPERUSER_USERNAME / "
-            "DJANGO_SUPERUSER_PASSWORD"
-        )
-    if users.filter(is_staff=True, is_active=True).exists():
-        return "log in with a staff account"
-    return (
-        "no admin user yet: run `python manage.py createsuperuser`, or start with "
-        "DJANGO_SUPERUSER_USERNAME and DJANGO_SUPERUSER_PASSWORD set"
-    )

@@ -20,8 +20,9 @@ from datetime import timedelta
 from django.conf import settings
 from django.utils import timezone
 
-from apps.replicas.models import RankSample, Worker, target_key
-from apps.routing.admission import Admission
+from apps.replicas.models import RankSample, Worker
+from apps.replicas.targets import target_key
+from apps.routing.proxy.admission import Admission
 
 
 def _rate(num, den):
@@ -77,28 +78,43 @@ def series(rank_keys: dict[int, str], window_s: float, max_points: int = 300) ->
     return out
 
 
-def build_snapshot(router) -> dict:
-    """Everything the dashboard shows, as JSON-ready data. Sync: it reads the database."""
-    from apps.routing.models import BenchRun, RoutingSettings
-    from apps.routing.policies import POLICIES
+def build_snapshot(router, admission=None) -> dict:
+    """Everything the dashboard shows, as JSON-ready data. Sync: it reads the database.
+
+    The steps: the workers with a row per rank (``_worker_rows``), the per-interval chart
+    (``series``), the fleet's totals over the rank rows (``_fleet_totals``), then the policy and
+    the latest bench runs."""
+    from apps.routing.decision.policies import POLICIES
+    from apps.routing.models import RoutingSettings
 
     cp = settings.CONTROL_PLANE
+    worker_rows, rank_keys = _worker_rows(router)
+    chart = series(rank_keys, cp["DASHBOARD_WINDOW_S"])
+    fleet = _fleet_totals(worker_rows, chart, admission)
+    policy = RoutingSettings.objects.filter(id=1).first()
+    return {
+        "type": "snapshot",
+        "at": time.time(),
+        "policy": router.config.policy,
+        "policies": sorted(POLICIES),
+        "policy_updated_by": policy.updated_by if policy else None,
+        "policy_updated_at": policy.updated_at.isoformat() if policy else None,
+        "scrape_interval_s": cp["SCRAPE_INTERVAL_S"],
+        "fleet": fleet,
+        "workers": worker_rows,
+        "series": chart,
+        "bench": _bench_runs(),
+    }
+
+
+def _worker_rows(router) -> tuple[list[dict], dict[int, str]]:
+    """One row per worker with its ranks in order, and each Rank row's id -> target key (what
+    ``series`` charts). Health is this process's live view where it has one: the database's is
+    only as fresh as the last health job."""
     workers = list(Worker.objects.prefetch_related("ranks"))
     rank_rows = {(row.worker_id, row.rank): row for w in workers for row in w.ranks.all()}
     latest = _latest_samples([row.id for row in rank_rows.values()])
     targets = {t.key: t for t in router.fleet.all_targets()}
-    fleet = dict.fromkeys(
-        (
-            "requests",
-            "prompt_tokens",
-            "predicted_tokens",
-            "engine_requests",
-            "engine_prompt_tokens",
-            "engine_cached_tokens",
-            "inflight_requests",
-        ),
-        0,
-    )
     worker_rows, rank_keys = [], {}
     for w in workers:
         view = router.fleet.workers.get(w.id)
@@ -107,59 +123,7 @@ def build_snapshot(router) -> dict:
         for row in sorted(w.ranks.all(), key=lambda r: -1 if r.rank is None else r.rank):
             key = target_key(w.url, row.rank)
             rank_keys[row.id] = key
-            target, sample = targets.get(key), latest.get(row.id)
-            # every router process's persisted counts, plus what this one has not written yet
-            delta = router.stats.unwritten(key)
-            requests = row.requests + delta["requests"]
-            prompt = row.prompt_tokens + delta["prompt_tokens"]
-            predicted = row.predicted_tokens + delta["predicted_tokens"]
-            engine = (
-                {
-                    "engine_requests": sample.requests,
-                    "engine_prompt_tokens": sample.prompt_tokens,
-                    "engine_cached_tokens": sample.cached_tokens,
-                }
-                if sample
-                else dict.fromkeys(
-                    ("engine_requests", "engine_prompt_tokens", "engine_cached_tokens")
-                )
-            )
-            router_rate = _rate(predicted, prompt)
-            engine_rate = _rate(sample.cached_tokens, sample.prompt_tokens) if sample else None
-            inflight = target.load.inflight if target else 0  # every router process's
-            ranks.append(
-                {
-                    "key": key,
-                    "rank": row.rank,
-                    "circuit": target.breaker.state if target else row.circuit_state,
-                    "available": bool(target and target.available),
-                    "requests": requests,
-                    "prompt_tokens": prompt,
-                    "predicted_tokens": predicted,
-                    "router_hit_rate": router_rate,
-                    **engine,
-                    "engine_hit_rate": engine_rate,
-                    "gap": engine_rate - router_rate
-                    if engine_rate is not None and router_rate is not None
-                    else None,
-                    "inflight_requests": inflight,
-                    "inflight_tokens": target.load.inflight_tokens if target else 0,
-                    "kv_blocks_used": sample.kv_blocks_used if sample else None,
-                    "kv_blocks_total": sample.kv_blocks_total if sample else None,
-                    "scraped_at": sample.at.timestamp() if sample else None,
-                    # precise (KV events followed) or not, and why not: the observers know
-                    "precise": False,
-                    **{k: v for o in router.observers for k, v in o.target_state(key).items()},
-                }
-            )
-            fleet["requests"] += requests
-            fleet["prompt_tokens"] += prompt
-            fleet["predicted_tokens"] += predicted
-            fleet["inflight_requests"] += inflight
-            if sample:
-                fleet["engine_requests"] += sample.requests
-                fleet["engine_prompt_tokens"] += sample.prompt_tokens
-                fleet["engine_cached_tokens"] += sample.cached_tokens
+            ranks.append(_rank_row(router, key, row, targets.get(key), latest.get(row.id)))
         worker_rows.append(
             {
                 "id": w.id,
@@ -174,34 +138,95 @@ def build_snapshot(router) -> dict:
                 "ranks": ranks,
             }
         )
+    return worker_rows, rank_keys
+
+
+def _rank_row(router, key: str, row, target, sample: RankSample | None) -> dict:
+    """One rank, the routers' view beside the engine's. ``target``: this process's live target
+    (None: not in its fleet), for the circuit and the load in flight; ``sample``: the engine's
+    latest scrape (None: not scraped yet, its columns are null)."""
+    # every router process's persisted counts, plus what this one has not written yet
+    delta = router.stats.unwritten(key)
+    requests = row.requests + delta["requests"]
+    prompt = row.prompt_tokens + delta["prompt_tokens"]
+    predicted = row.predicted_tokens + delta["predicted_tokens"]
+    engine = (
+        {
+            "engine_requests": sample.requests,
+            "engine_prompt_tokens": sample.prompt_tokens,
+            "engine_cached_tokens": sample.cached_tokens,
+        }
+        if sample
+        else dict.fromkeys(("engine_requests", "engine_prompt_tokens", "engine_cached_tokens"))
+    )
+    router_rate = _rate(predicted, prompt)
+    engine_rate = _rate(sample.cached_tokens, sample.prompt_tokens) if sample else None
+    return {
+        "key": key,
+        "rank": row.rank,
+        "circuit": target.breaker.state if target else row.circuit_state,
+        "available": bool(target and target.available),
+        "requests": requests,
+        "prompt_tokens": prompt,
+        "predicted_tokens": predicted,
+        "router_hit_rate": router_rate,
+        **engine,
+        "engine_hit_rate": engine_rate,
+        "gap": engine_rate - router_rate
+        if engine_rate is not None and router_rate is not None
+        else None,
+        "inflight_requests": target.load.inflight if target else 0,  # every router process's
+        "inflight_tokens": target.load.inflight_tokens if target else 0,
+        "kv_blocks_used": sample.kv_blocks_used if sample else None,
+        "kv_blocks_total": sample.kv_blocks_total if sample else None,
+        "scraped_at": sample.at.timestamp() if sample else None,
+        # precise (KV events followed) or not, and why not: the observers know
+        "precise": False,
+        **{k: v for o in router.observers for k, v in o.target_state(key).items()},
+    }
+
+
+# the fleet's totals: sums of the rank rows' columns of the same name (an engine column is null
+# on a rank not scraped yet, and adds nothing)
+_FLEET_SUMS = (
+    "requests",
+    "prompt_tokens",
+    "predicted_tokens",
+    "engine_requests",
+    "engine_prompt_tokens",
+    "engine_cached_tokens",
+    "inflight_requests",
+)
+
+
+def _fleet_totals(worker_rows: list[dict], chart: dict, admission) -> dict:
+    """The fleet summary: the rank rows' sums, the fleet's hit rates from those sums (not a mean
+    of the ranks' rates, which would weigh an idle rank like a busy one), the latest requests/s
+    of the chart, and this process's admission queue."""
+    ranks = [rank for w in worker_rows for rank in w["ranks"]]
+    fleet = {name: sum(rank[name] or 0 for rank in ranks) for name in _FLEET_SUMS}
     fleet["router_hit_rate"] = _rate(fleet["predicted_tokens"], fleet["prompt_tokens"])
     fleet["engine_hit_rate"] = _rate(fleet["engine_cached_tokens"], fleet["engine_prompt_tokens"])
-    chart = series(rank_keys, cp["DASHBOARD_WINDOW_S"])
     rps = [v for v in chart["requests_per_s"] if v is not None]
     fleet["requests_per_s"] = rps[-1] if rps else None
     # this process's admission queue: waiting, admitted, refused (429 / 503), saturated, draining
-    fleet.update(Admission.for_router(router).snapshot())
-    policy = RoutingSettings.objects.filter(id=1).first()
-    return {
-        "type": "snapshot",
-        "at": time.time(),
-        "policy": router.config.policy,
-        "policies": sorted(POLICIES),
-        "policy_updated_by": policy.updated_by if policy else None,
-        "policy_updated_at": policy.updated_at.isoformat() if policy else None,
-        "scrape_interval_s": cp["SCRAPE_INTERVAL_S"],
-        "fleet": fleet,
-        "workers": worker_rows,
-        "series": chart,
-        "bench": [
-            {
-                "id": b.id,
-                "created_at": b.created_at.isoformat(),
-                "status": b.status,
-                "error": b.error,
-                "params": b.params,
-                "result": b.result,
-            }
-            for b in BenchRun.objects.all()[:10]
-        ],
-    }
+    # (None: no admission control here, an idle one reports zeros)
+    fleet.update((admission or Admission()).snapshot())
+    return fleet
+
+
+def _bench_runs() -> list[dict]:
+    """The ten newest bench runs (the model's ordering), for the dashboard's bench panel."""
+    from apps.routing.models import BenchRun
+
+    return [
+        {
+            "id": b.id,
+            "created_at": b.created_at.isoformat(),
+            "status": b.status,
+            "error": b.error,
+            "params": b.params,
+            "result": b.result,
+        }
+        for b in BenchRun.objects.all()[:10]
+    ]

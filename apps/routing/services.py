@@ -12,8 +12,8 @@ import logging
 from asgiref.sync import sync_to_async
 
 from apps.routing import jobs
+from apps.routing.decision.policies import POLICIES
 from apps.routing.models import BenchRun, RoutingSettings
-from apps.routing.policies import POLICIES
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,5 @@
-"""Celery tasks: thin wrappers around ``apps.routing.jobs`` (the same code runs embedded).
+"""Celery tasks of the routing app: the dashboard's benchmark runs (apps/routing/jobs.py); the
+periodic jobs are the replicas' (apps/replicas/tasks.py).
 
 With ``REDIS_URL`` set, run a worker and beat next to the router(s):
 
@@ -11,21 +12,6 @@ Beat's schedule (``controlplane/celery.py``) comes from the CONTROL_PLANE interv
 from celery import shared_task
 
 from apps.routing import jobs
-
-
-@shared_task(name="routing.scrape_fleet", ignore_result=True)
-def scrape_fleet() -> int:
-    return jobs.scrape_fleet()
-
-
-@shared_task(name="routing.prune")
-def prune() -> dict:
-    return jobs.prune()
-
-
-@shared_task(name="routing.refresh_discovery")
-def refresh_discovery() -> dict:
-    return jobs.refresh_discovery()
 
 
 @shared_task(name="routing.run_bench")

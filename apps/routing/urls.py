@@ -1,5 +1,5 @@
 """The router's Django surface: models, health, metrics, the dashboard, the workers API (the
-OpenAI proxy paths are served before Django, by apps/routing/endpoint.py)."""
+OpenAI proxy paths are served before Django, by apps/routing/proxy/endpoint.py)."""
 
 from django.urls import include, path
 from django.views.generic import RedirectView

@@ -1,5 +1,5 @@
 """The router's read-only endpoints. The proxy itself (/v1/completions, /v1/chat/completions)
-is a plain ASGI app in front of Django: apps/routing/endpoint.py.
+is a plain ASGI app in front of Django: apps/routing/proxy/endpoint.py.
 
 ``/v1/models`` needs an API key when some are configured (apps/replicas/auth.py); ``/health`` and
 ``/metrics`` are always open."""
@@ -9,8 +9,8 @@ from __future__ import annotations
 from django.http import HttpResponse, JsonResponse
 
 from apps.replicas.auth import api_key_allowed, invalid_api_key_response
+from apps.routing.live import router_of
 from apps.routing.metrics import render_metrics
-from apps.routing.router import router_of
 
 
 async def models(request):

@@ -6,7 +6,9 @@ one."""
 import pytest
 
 from apps.replicas.runtime import SCOPE_KEY
-from apps.routing.router import Router, RouterConfig
+from apps.routing.decision.config import RouterConfig
+from apps.routing.decision.router import Router
+from apps.routing.live import LiveFleet
 from controlplane import http
 
 
@@ -17,7 +19,8 @@ def router():
 
 @pytest.fixture
 def admin_client(admin_client, router):
-    admin_client.defaults[SCOPE_KEY] = router  # a WSGI request's environ, as the ASGI scope
+    # a WSGI request's environ, as the ASGI scope
+    admin_client.defaults[SCOPE_KEY] = LiveFleet(router)
     return admin_client
 
 

@@ -4,7 +4,6 @@ configured; /health and /metrics stay open. In-process through the real URLconf 
 ASGI application, then once through a real ``runrouter`` configured by its flags."""
 
 import json
-import sys
 
 import httpx
 import pytest
@@ -14,7 +13,7 @@ from django.test import Client
 from apps.replicas.auth import bearer_token, configured_keys, key_matches
 from apps.replicas.models import Worker
 from controlplane.asgi import build_application
-from tests.support.procs import free_port, start
+from harness.procs import free_port, router_command, start
 
 ADMIN_KEYS = "admin-one, admin-two"
 API_KEYS = "k1,k2"
@@ -293,19 +292,9 @@ async def test_health_and_metrics_stay_open(arouter, settings):
 @pytest.mark.slow
 def test_runrouter_flags_configure_the_keys(tmp_path):
     port = free_port()
-    cmd = [
-        sys.executable,
-        "manage.py",
-        "runrouter",
-        "--port",
-        str(port),
-        "--api-key",
-        "k1",
-        "--api-key",
-        "k2",
-        "--admin-key",
-        "adm",
-    ]
+    cmd = router_command(
+        (), "--api-key", "k1", "--api-key", "k2", "--admin-key", "adm", port=port, dp_aware=False
+    )
     # the flags replace the environment's keys
     env = {
         "DATABASE_URL": f"sqlite:///{tmp_path}/router.sqlite3",

@@ -14,8 +14,8 @@ from django.contrib.admin.models import LogEntry
 
 from apps.replicas.models import Rank, Worker, WorkerEvent
 from apps.routing.models import RoutingSettings
-from tests.support.procs import REPO_ROOT, free_port, start, start_engine
-from tests.support.standin import StandIn
+from harness.procs import REPO_ROOT, free_port, router_command, start, start_engine
+from harness.standin import StandIn
 
 ADD = "/admin/replicas/worker/add/"
 CHANGELIST = "/admin/replicas/worker/"
@@ -295,7 +295,7 @@ def test_admin_in_a_running_router_changes_its_fleet(tmp_path):
         "DATABASE_URL": f"sqlite:///{tmp_path}/router.sqlite3",
         "DJANGO_SUPERUSER_PASSWORD": "pw-for-tests",
     }
-    cmd = [sys.executable, "manage.py", "runrouter", "--dp-aware", "--port", str(port)]
+    cmd = router_command(port=port)
     with (
         StandIn(dp_size=2, model="standin-admin").start() as standin,
         start(

@@ -5,11 +5,13 @@ import pytest
 
 from apps.replicas.models import Worker, WorkerEvent
 from apps.replicas.services import save_worker, worker_set_draining
-from apps.routing.fleet import view_of
-from apps.routing.health import check_worker
-from apps.routing.router import Router, RouterConfig
+from apps.routing.decision.config import RouterConfig
+from apps.routing.decision.router import Router
+from apps.routing.feeds.health import check_worker
+from apps.routing.live import LiveFleet
+from apps.routing.records import view_of
 from controlplane import http
-from tests.support.standin import StandIn
+from harness.standin import StandIn
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -50,7 +52,7 @@ async def test_draining_and_undrained_are_recorded_on_change_only():
     worker = await Worker.objects.acreate(url=URL)
     router = Router(RouterConfig())
     for draining in (True, True, False, False, True):
-        await worker_set_draining(worker_id=worker.id, draining=draining, runtime=router)
+        await worker_set_draining(worker_id=worker.id, draining=draining, runtime=LiveFleet(router))
     assert [k for k, _ in await sync_kinds(worker.id)] == ["draining", "undrained", "draining"]
 
 

@@ -3,13 +3,12 @@ router (whose workers API needs an admin key): the router discovers its ranks an
 them. An engine with a wrong key is refused once, says so, and is not listed."""
 
 import argparse
-import sys
 
 import httpx
 import pytest
 
 from engine.server.main import add_arguments, register_key
-from tests.support.procs import free_port, start, start_engine, wait_for
+from harness.procs import free_port, router_command, start, start_engine, wait_for
 
 ADMIN_KEY = "register-test-admin-key"
 
@@ -17,7 +16,7 @@ ADMIN_KEY = "register-test-admin-key"
 @pytest.mark.slow
 def test_engine_registers_itself_with_the_router(tmp_path):
     port = free_port()
-    cmd = [sys.executable, "manage.py", "runrouter", "--dp-aware", "--port", str(port)]
+    cmd = router_command(port=port)
     router_url = f"http://127.0.0.1:{port}"
     # no workers yet: the router is up (its /workers answers) but /health is 503
     with start(

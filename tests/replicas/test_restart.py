@@ -9,7 +9,7 @@ import sqlite3
 import httpx
 import pytest
 
-from tests.support.procs import free_port, wait_for
+from harness.procs import free_port, wait_for
 from tests.support.router_checks import counter, kill_hard, start_engine_on, start_router
 
 pytestmark = pytest.mark.slow

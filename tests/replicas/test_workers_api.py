@@ -12,11 +12,13 @@ from django.test import AsyncClient
 
 from apps.replicas.models import Rank, Worker
 from apps.replicas.runtime import SCOPE_KEY
-from apps.routing.fleet_sync import FleetSync
+from apps.routing.decision.config import RouterConfig
+from apps.routing.decision.router import Router
+from apps.routing.feeds.fleet_sync import FleetSync
+from apps.routing.live import LiveFleet
 from apps.routing.process import RouterProcess
-from apps.routing.router import Router, RouterConfig
 from controlplane.asgi import build_application
-from tests.support.procs import free_port, start_engine
+from harness.procs import free_port, start_engine
 
 
 async def proxy_post(router, path: str, body: dict) -> httpx.Response:
@@ -72,7 +74,7 @@ class AdminClient(AsyncClient):
         self.router = router
 
     def _base_scope(self, **request):
-        return {**super()._base_scope(**request), SCOPE_KEY: self.router}
+        return {**super()._base_scope(**request), SCOPE_KEY: LiveFleet(self.router)}
 
     def generic(self, *args, headers=None, **kwargs):
         return super().generic(

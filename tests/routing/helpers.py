@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from apps.routing.fleet import Target, WorkerView
-from apps.routing.load import RankLoad
+from apps.routing.decision.fleet import Target, WorkerView
+from apps.routing.decision.load import RankLoad
 
 
 class Clock:

@@ -1,5 +1,5 @@
-"""Admission control (apps/routing/admission.py): the concurrency limit, the queue (priority, then
-arrival), its size and timeout, the fleet-saturation rule, and slots released exactly once.
+"""Admission control (apps/routing/proxy/admission.py): the concurrency limit, the queue (priority,
+then arrival), its size and timeout, the fleet-saturation rule, and slots released exactly once.
 
 First the ``Admission`` class alone on an event loop, then the router's ASGI app in process
 (httpx over ``build_application(router)``) in front of a stand-in engine that holds requests."""
@@ -16,14 +16,17 @@ from asgiref.sync import sync_to_async
 from asgiref.testing import ApplicationCommunicator
 
 from apps.replicas.services import worker_add
-from apps.routing.admission import Admission, Rejected, fleet_saturated
-from apps.routing.fleet import Fleet, WorkerView
-from apps.routing.router import Router, RouterConfig
+from apps.routing.decision.config import RouterConfig
+from apps.routing.decision.fleet import Fleet, WorkerView
+from apps.routing.decision.router import Router
+from apps.routing.live import LiveFleet
+from apps.routing.proxy.admission import Admission, Rejected, make_admission
+from apps.routing.proxy.saturation import fleet_saturated
 from apps.routing.selectors import build_snapshot
 from controlplane import http
 from controlplane.asgi import build_application
+from harness.standin import Behaviour, StandIn
 from tests.support.router_checks import sse_events
-from tests.support.standin import Behaviour, StandIn
 
 
 async def settle(turns: int = 5) -> None:
@@ -308,12 +311,13 @@ def standin():
         s.stop()
 
 
-async def serving(standin_url: str, **config) -> tuple[Router, httpx.AsyncClient]:
+async def serving(standin_url: str, **config) -> tuple[Router, httpx.AsyncClient, Admission]:
     router = Router(RouterConfig(dp_aware=True, policy="round_robin", **config))
-    await worker_add(url=standin_url, runtime=router)
-    transport = httpx.ASGITransport(app=build_application(router))
+    await worker_add(url=standin_url, runtime=LiveFleet(router))
+    admission = make_admission(router)
+    transport = httpx.ASGITransport(app=build_application(router, admission))
     client = httpx.AsyncClient(transport=transport, base_url="http://localhost", timeout=30)
-    return router, client
+    return router, client, admission
 
 
 async def watch(admission: Admission, peaks: dict, stop: asyncio.Event) -> None:
@@ -326,10 +330,9 @@ async def watch(admission: Admission, peaks: dict, stop: asyncio.Event) -> None:
 @pytest.mark.django_db(transaction=True)
 async def test_two_served_two_queued_then_served_two_refused_with_429(standin):
     engine = standin(behaviour=Behaviour(head_delay_s=0.5))
-    router, client = await serving(
+    router, client, admission = await serving(
         engine.url, max_concurrent_requests=2, queue_size=2, queue_timeout_s=5
     )
-    admission = Admission.for_router(router)
     peaks, stop = {"in_flight": 0, "waiting": 0}, asyncio.Event()
     watcher = asyncio.ensure_future(watch(admission, peaks, stop))
     started = time.monotonic()
@@ -339,7 +342,7 @@ async def test_two_served_two_queued_then_served_two_refused_with_429(standin):
         )
         elapsed = time.monotonic() - started
         metrics = (await client.get("/metrics")).text
-        fleet = (await sync_to_async(build_snapshot)(router))["fleet"]  # the dashboard's
+        fleet = (await sync_to_async(build_snapshot)(router, admission))["fleet"]  # the dashboard's
     finally:
         stop.set()
         await watcher
@@ -372,7 +375,7 @@ async def test_two_served_two_queued_then_served_two_refused_with_429(standin):
 @pytest.mark.django_db(transaction=True)
 async def test_x_priority_must_be_an_integer(standin):
     engine = standin()
-    router, client = await serving(engine.url)
+    router, client, admission = await serving(engine.url)
     try:
         bad = await client.post("/v1/completions", json=BODY, headers={"X-Priority": "high"})
         good = await client.post("/v1/completions", json=BODY, headers={"X-Priority": "-3"})
@@ -389,10 +392,9 @@ async def test_x_priority_must_be_an_integer(standin):
 @pytest.mark.django_db(transaction=True)
 async def test_a_client_that_leaves_the_queue_or_the_engine_leaks_no_slot(standin):
     engine = standin(behaviour=Behaviour.hang())
-    router, client = await serving(engine.url, max_concurrent_requests=1, queue_size=4)
+    router, client, admission = await serving(engine.url, max_concurrent_requests=1, queue_size=4)
     await client.aclose()
-    admission = Admission.for_router(router)
-    app = build_application(router)
+    app = build_application(router, admission)
 
     def request() -> ApplicationCommunicator:
         scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}
@@ -429,7 +431,7 @@ async def test_a_client_that_leaves_the_queue_or_the_engine_leaks_no_slot(standi
 async def test_a_saturated_fleet_holds_the_next_request_until_the_first_token(standin):
     # one rank; any queued prefill saturates it: the second stream waits for the first's token
     engine = standin(dp_size=1, behaviour=Behaviour(head_delay_s=0.5, tokens=2))
-    router, client = await serving(
+    router, client, admission = await serving(
         engine.url, saturation_queued_prefill_tokens=1, queue_timeout_s=5
     )
     body = {**BODY, "stream": True}
@@ -443,7 +445,6 @@ async def test_a_saturated_fleet_holds_the_next_request_until_the_first_token(st
         await http.client.aclose()
     assert [first.status_code, second.status_code] == [200, 200]
     assert sse_events(first.text)[-1] == sse_events(second.text)[-1] == "[DONE]"
-    admission = Admission.for_router(router)
     assert admission.wait_time.count == 2 and admission.wait_time.sum >= 0.4
     # each stream's 0.5 s to its first token: what a queued request must now leave for it
     assert 0.45 <= admission.expected_first_token_s() <= 2.5, admission.expected_first_token_s()

@@ -23,7 +23,15 @@ import httpx
 import psycopg
 import pytest
 
-from tests.support.procs import REPO_ROOT, free_port, metrics, start, start_engine, wait_for
+from harness.procs import (
+    REPO_ROOT,
+    free_port,
+    metrics,
+    router_command,
+    start,
+    start_engine,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -51,8 +59,8 @@ def send_some(url: str, n: int = 6, headers: dict | None = None) -> None:
 # ----- embedded -----------------------------------------------------------------------------------
 @pytest.mark.django_db(transaction=True)
 def test_tasks_run_eagerly_in_process_without_a_broker(engine, settings):
+    from apps.replicas import tasks
     from apps.replicas.models import Rank, RankSample, Worker
-    from apps.routing import tasks
 
     assert settings.CELERY_TASK_ALWAYS_EAGER  # no REDIS_URL: the embedded default
     info = httpx.get(engine.url + "/server_info").json()
@@ -78,15 +86,17 @@ async def test_discovery_refresh_follows_an_engine_restarted_with_another_dp_siz
 
     from apps.replicas.models import Worker, WorkerEvent
     from apps.replicas.services import worker_add
-    from apps.routing.fleet_sync import FleetSync
-    from apps.routing.router import Router, RouterConfig
+    from apps.routing.decision.config import RouterConfig
+    from apps.routing.decision.router import Router
+    from apps.routing.feeds.fleet_sync import FleetSync
+    from apps.routing.live import LiveFleet
     from tests.support.router_checks import start_engine_on
 
     port = free_port()
     router = Router(RouterConfig(dp_aware=True))
     fleet_sync = FleetSync(router)
     with start_engine_on(tmp_path, port, 1, "dp1") as engine:
-        worker = await worker_add(url=engine.url, runtime=router)
+        worker = await worker_add(url=engine.url, runtime=LiveFleet(router))
         await fleet_sync.sync()
         assert [t.key for t in router.fleet.all_targets()] == [f"{engine.url}@0"]
         # live state is not a change
@@ -111,25 +121,16 @@ async def test_discovery_refresh_follows_an_engine_restarted_with_another_dp_siz
 
 
 def jobs_refresh():
-    from apps.routing import jobs
+    from apps.replicas import jobs as replica_jobs
 
-    return jobs.refresh_discovery()
+    return replica_jobs.refresh_discovery()
 
 
 def test_the_router_process_runs_the_jobs_itself_without_a_broker(engine, tmp_path):
     port = free_port()
     db = tmp_path / "router.sqlite3"
     env = {"DATABASE_URL": f"sqlite:///{db}", "CONTROL_PLANE_SCRAPE_INTERVAL_S": "0.5"}
-    cmd = [
-        sys.executable,
-        "manage.py",
-        "runrouter",
-        "--worker-urls",
-        engine.url,
-        "--dp-aware",
-        "--port",
-        str(port),
-    ]
+    cmd = router_command(engine.url, port=port)
     with start(
         cmd, f"http://127.0.0.1:{port}", tmp_path / "router.log", env={**env, "REDIS_URL": ""}
     ) as router:
@@ -221,16 +222,7 @@ def test_a_real_celery_worker_on_redis_runs_the_jobs(engine, tmp_path, postgres_
         "DJANGO_SUPERUSER_PASSWORD": "celery-test-pw-1",
     }
     port = free_port()
-    cmd = [
-        sys.executable,
-        "manage.py",
-        "runrouter",
-        "--worker-urls",
-        engine.url,
-        "--dp-aware",
-        "--port",
-        str(port),
-    ]
+    cmd = router_command(engine.url, port=port)
     # the router's own dashboard timer is slow (30 s): faster pushes can only be the worker's nudges
     router_env = {**env, "CONTROL_PLANE_SCRAPE_INTERVAL_S": "30"}
     with start(cmd, f"http://127.0.0.1:{port}", tmp_path / "router.log", env=router_env) as router:

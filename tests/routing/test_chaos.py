@@ -13,7 +13,6 @@ again; at the end neither router holds load for anything.
 from __future__ import annotations
 
 import json
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -21,8 +20,8 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from tests.support import procs
-from tests.support.procs import free_port, wait_for
+from harness import procs
+from harness.procs import free_port, router_command, wait_for
 from tests.support.router_checks import assert_idle, kill_hard, start_engine_on
 
 pytestmark = pytest.mark.slow
@@ -102,8 +101,7 @@ class Workload:
 
 
 def start_router_at(tmp, port: int, worker_urls: list[str], name: str, env: dict):
-    cmd = [sys.executable, "manage.py", "runrouter", "--worker-urls", *worker_urls, "--dp-aware",
-           "--port", str(port), "--health-check-interval-secs", "1"]  # fmt: skip
+    cmd = router_command(worker_urls, "--health-check-interval-secs", "1", port=port)
     return procs.start(
         cmd, f"http://127.0.0.1:{port}", tmp / f"{name}.log", health="/health", timeout=90, env=env
     )

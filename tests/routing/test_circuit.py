@@ -3,7 +3,7 @@
 
 import pytest
 
-from apps.routing.circuit import CircuitBreaker
+from apps.routing.decision.circuit import CircuitBreaker
 from tests.routing.helpers import Clock
 
 

@@ -17,12 +17,15 @@ from django.contrib.auth import get_user_model
 from django.test import override_settings
 from django.utils import timezone
 
+from apps.replicas import jobs as replica_jobs
 from apps.replicas.models import Rank, RankSample, Worker, WorkerEvent
 from apps.replicas.runtime import SCOPE_KEY
 from apps.routing import jobs
 from apps.routing.consumers import NOT_AUTHORIZED
+from apps.routing.decision.config import RouterConfig
+from apps.routing.decision.router import Router
+from apps.routing.live import LiveFleet
 from apps.routing.models import BenchRun, RoutingSettings
-from apps.routing.router import Router, RouterConfig
 from apps.routing.selectors import build_snapshot, series
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -35,7 +38,7 @@ def router():
 
 @pytest.fixture
 def client(client, router):
-    client.defaults[SCOPE_KEY] = router  # a WSGI request's environ, as the ASGI scope
+    client.defaults[SCOPE_KEY] = LiveFleet(router)  # a WSGI request's environ, as the ASGI scope
     return client
 
 
@@ -47,7 +50,7 @@ def make_worker(router, dp_size=2, url="http://127.0.0.1:9"):
         server_info={"dp_size": dp_size, "model_id": "tiny"},
     )
     rank_ids = {r: Rank.objects.create(worker=worker, rank=r).id for r in range(dp_size)}
-    router.worker_saved(worker, rank_ids)
+    LiveFleet(router).worker_saved(worker, rank_ids)
     return worker
 
 
@@ -101,8 +104,8 @@ def test_snapshot_puts_the_engine_and_the_router_side_by_side(router):
 
 def test_each_rank_says_whether_its_index_is_precise_and_why_not(router):
     """The flag /metrics carries (dpmesh_router_kv_events_precise) is on the dashboard too."""
-    from apps.routing.kv_events import KVEventsFeed
-    from apps.routing.vllm_events import RankDecoder
+    from apps.routing.feeds.kv_events import KVEventsFeed
+    from apps.routing.feeds.vllm_events import RankDecoder
 
     worker = make_worker(router)
     feed = KVEventsFeed(router)
@@ -188,10 +191,10 @@ vllm:request_success_total{engine="0",finished_reason="length",model_name="m"} 2
 
 
 def test_engine_metrics_parse_ours_and_vllms():
-    ours = jobs.parse_engine_metrics(ENGINE_TEXT)
+    ours = replica_jobs.parse_engine_metrics(ENGINE_TEXT)
     assert ours[0] == {"prompt_tokens": 1000.0, "cached_tokens": 700.0, "kv_blocks_total": 64.0}
     assert ours[1]["prompt_tokens"] == 50.0 and ours[1]["rank_up"] == 0.0  # a dead rank process
-    vllm = jobs.parse_engine_metrics(VLLM_TEXT)
+    vllm = replica_jobs.parse_engine_metrics(VLLM_TEXT)
     assert vllm[0] == {"prompt_tokens": 300.0, "cached_tokens": 120.0, "requests": 5.0}
     assert vllm[1] == {"prompt_tokens": 100.0}
 
@@ -200,7 +203,7 @@ def test_an_engine_that_does_not_answer_gets_a_down_sample_with_its_last_counter
     worker = make_worker(router, dp_size=1, url="http://127.0.0.1:9")  # port 9: nobody listens
     rank = worker.ranks.get()
     sample(rank, timezone.now() - timedelta(seconds=2), 7, 700, 300)
-    assert jobs.scrape_fleet(timeout=1.0) == 1
+    assert replica_jobs.scrape_fleet(timeout=1.0) == 1
     latest = RankSample.objects.filter(rank=rank).order_by("-at").first()
     assert (latest.up, latest.requests, latest.prompt_tokens, latest.cached_tokens) == (
         False,
@@ -220,7 +223,7 @@ def test_prune_deletes_only_what_is_past_retention(router):
     old = WorkerEvent.objects.create(worker=worker, kind="healthy")
     WorkerEvent.objects.filter(id=old.id).update(at=now - timedelta(seconds=121))
     WorkerEvent.objects.create(worker=worker, kind="unhealthy")
-    assert jobs.prune(now=now) == {"samples": 1, "events": 1}
+    assert replica_jobs.prune(now=now) == {"samples": 1, "events": 1}
     assert list(RankSample.objects.values_list("id", flat=True)) == [keep.id]
     assert list(WorkerEvent.objects.values_list("kind", flat=True)) == ["unhealthy"]
 
@@ -335,7 +338,7 @@ def test_the_dashboard_needs_a_csrf_token_for_its_actions(router):
     from django.test import Client
 
     _staff()
-    client = Client(enforce_csrf_checks=True, **{SCOPE_KEY: router})
+    client = Client(enforce_csrf_checks=True, **{SCOPE_KEY: LiveFleet(router)})
     client.login(username="ops", password="pw-ops-123")
     r = client.post(
         "/dashboard/policy", json.dumps({"policy": "random"}), content_type="application/json"

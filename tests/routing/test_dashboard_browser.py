@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import sys
 import threading
 import time
 
@@ -20,8 +19,16 @@ import pytest
 
 from bench import datasets
 from bench.runner import RunOptions, send_samples
+from harness.procs import (
+    REPO_ROOT,
+    free_port,
+    metrics,
+    router_command,
+    start,
+    start_engine,
+    wait_for,
+)
 from tests.conftest import _in_ci
-from tests.support.procs import REPO_ROOT, free_port, metrics, start, start_engine, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -42,18 +49,7 @@ def fleet(tmp_path_factory):
             "CONTROL_PLANE_SCRAPE_INTERVAL_S": str(SCRAPE_S),
         }
         env.pop("REDIS_URL", None)
-        cmd = [
-            sys.executable,
-            "manage.py",
-            "runrouter",
-            "--worker-urls",
-            engine.url,
-            "--dp-aware",
-            "--policy",
-            "cache_aware",
-            "--port",
-            str(port),
-        ]
+        cmd = router_command(engine.url, port=port, policy="cache_aware")
         with start(cmd, f"http://127.0.0.1:{port}", tmp / "router.log", env=env) as router:
             yield engine, router
 

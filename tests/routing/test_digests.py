@@ -5,7 +5,7 @@ engine's language. Without a tokenizer it falls back to chained digests of 64-ch
 import pytest
 import xxhash
 
-from apps.routing.request_shape import (
+from apps.routing.decision.request_shape import (
     CHUNK_CHARS,
     OFF_LOOP_CHARS,
     load_tokenizer,

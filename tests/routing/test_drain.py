@@ -1,10 +1,10 @@
-"""Graceful drain of the router process (apps/routing/drain.py): at the first SIGTERM/SIGINT
+"""Graceful drain of the router process (apps/routing/proxy/drain.py): at the first SIGTERM/SIGINT
 /health says ``draining`` (503) and new requests get a 503 while the admitted ones, streams
 included, finish; then the process exits 0, with a clean log. A drain that outlasts
 ``--drain-timeout-secs`` cuts what is left; a second signal stops at once.
 
 First in process (the Drain object on the test's loop, its ``stop`` recorded), then ``runrouter``
-as a real process in front of a stand-in engine that streams slowly (tests/support/standin.py)."""
+as a real process in front of a stand-in engine that streams slowly (harness/standin.py)."""
 
 from __future__ import annotations
 
@@ -18,14 +18,16 @@ import httpx
 import pytest
 
 from apps.replicas.services import worker_add
-from apps.routing.admission import Admission
-from apps.routing.drain import Drain
-from apps.routing.router import Router, RouterConfig
+from apps.routing.decision.config import RouterConfig
+from apps.routing.decision.router import Router
+from apps.routing.live import LiveFleet
+from apps.routing.proxy.admission import make_admission
+from apps.routing.proxy.drain import Drain
 from controlplane import http
 from controlplane.asgi import build_application
-from tests.support.procs import ServerProcess, wait_for
+from harness.procs import ServerProcess, wait_for
+from harness.standin import Behaviour, StandIn
 from tests.support.router_checks import sse_events, start_router, texts
-from tests.support.standin import Behaviour, StandIn
 
 BODY = {"model": "standin", "prompt": "drain me", "max_tokens": 4}
 # what a clean stop never logs: leaks, tracebacks, /health's expected 503 as a server error, an
@@ -57,10 +59,11 @@ def standin():
 async def test_a_drain_refuses_new_work_lets_the_admitted_finish_then_stops(standin):
     engine = standin(Behaviour(head_delay_s=0.5))
     router = Router(RouterConfig(dp_aware=True, policy="round_robin"))
-    await worker_add(url=engine.url, runtime=router)
+    await worker_add(url=engine.url, runtime=LiveFleet(router))
     stops: list[float] = []
-    drain = Drain(router, Admission.for_router(router), 5.0, stop=lambda: stops.append(1))
-    transport = httpx.ASGITransport(app=build_application(router))
+    admission = make_admission(router)
+    drain = Drain(router, admission, 5.0, stop=lambda: stops.append(1))
+    transport = httpx.ASGITransport(app=build_application(router, admission))
     async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
         try:
             admitted = asyncio.ensure_future(client.post("/v1/completions", json=BODY))
@@ -86,11 +89,11 @@ async def test_a_drain_refuses_new_work_lets_the_admitted_finish_then_stops(stan
 async def test_a_second_signal_stops_at_once(standin):
     engine = standin(Behaviour.hang())
     router = Router(RouterConfig(dp_aware=True, policy="round_robin"))
-    await worker_add(url=engine.url, runtime=router)
-    admission = Admission.for_router(router)
+    await worker_add(url=engine.url, runtime=LiveFleet(router))
+    admission = make_admission(router)
     stops: list[int] = []
     drain = Drain(router, admission, 60.0, stop=lambda: stops.append(1))
-    transport = httpx.ASGITransport(app=build_application(router))
+    transport = httpx.ASGITransport(app=build_application(router, admission))
     async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
         hanging = asyncio.ensure_future(client.post("/v1/completions", json=BODY))
         try:

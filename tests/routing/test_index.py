@@ -3,7 +3,8 @@ expiry, and removal; every number exact, on a fake clock."""
 
 import pytest
 
-from apps.routing.index import PrefixDemand, PrefixIndex, ServedVolume
+from apps.routing.decision.demand import PrefixDemand, ServedVolume
+from apps.routing.decision.index import PrefixIndex
 from tests.routing.helpers import Clock
 
 

@@ -9,11 +9,12 @@ import asyncio
 import httpx
 import pytest
 
-from apps.routing.fleet import WorkerView
-from apps.routing.kv_events import RELEASE_TAIL_S, KVEventsFeed
-from apps.routing.router import Router, RouterConfig
+from apps.routing.decision.config import RouterConfig
+from apps.routing.decision.fleet import WorkerView
+from apps.routing.decision.router import Router
+from apps.routing.feeds.kv_events import RELEASE_TAIL_S, KVEventsFeed
+from harness.procs import metrics, start_engine, wait_for
 from tests.routing.helpers import Clock, worker_view
-from tests.support.procs import metrics, start_engine, wait_for
 from tests.support.router_checks import counter, start_router
 
 

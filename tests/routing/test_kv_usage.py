@@ -18,15 +18,18 @@ import pytest
 from asgiref.sync import sync_to_async
 from django.utils import timezone
 
+from apps.replicas import jobs as replica_jobs
 from apps.replicas.models import Rank, RankSample, Worker
 from apps.replicas.services import worker_add
-from apps.routing import jobs
-from apps.routing.admission import Admission, fleet_saturated
-from apps.routing.fleet_sync import KV_USAGE_MAX_AGE_S, FleetSync, kv_usage_by_rank
-from apps.routing.router import Router, RouterConfig
+from apps.routing.decision.config import RouterConfig
+from apps.routing.decision.router import Router
+from apps.routing.feeds.fleet_sync import KV_USAGE_MAX_AGE_S, FleetSync, kv_usage_by_rank
+from apps.routing.live import LiveFleet
+from apps.routing.proxy.admission import make_admission
+from apps.routing.proxy.saturation import fleet_saturated
 from controlplane import http
 from controlplane.asgi import build_application
-from tests.support.standin import StandIn
+from harness.standin import StandIn
 
 CAPACITY = 1000  # KV blocks per rank, as vLLM's cache_config_info says
 
@@ -67,16 +70,19 @@ dpmesh_engine_kv_blocks_total{rank="0"} 64.0
 
 # ----- the scrape ---------------------------------------------------------------------------------
 def test_vllms_usage_fraction_becomes_blocks_of_the_capacity_discovery_found():
-    parsed = jobs.parse_engine_metrics(vllm_metrics(0.25, 0.75), CAPACITY)
+    parsed = replica_jobs.parse_engine_metrics(vllm_metrics(0.25, 0.75), CAPACITY)
     assert parsed == {
         0: {"running": 1.0, "kv_blocks_used": 250.0, "kv_blocks_total": 1000.0},
         1: {"running": 2.0, "kv_blocks_used": 750.0, "kv_blocks_total": 1000.0},
     }
-    assert jobs.parse_engine_metrics(vllm_metrics(0.3337), CAPACITY)[0]["kv_blocks_used"] == 334
+    assert (
+        replica_jobs.parse_engine_metrics(vllm_metrics(0.3337), CAPACITY)[0]["kv_blocks_used"]
+        == 334
+    )
     # no known capacity: no block counts at all (a total of 0 reads as unknown), not a guess
-    assert jobs.parse_engine_metrics(vllm_metrics(0.25)) == {0: {"running": 1.0}}
+    assert replica_jobs.parse_engine_metrics(vllm_metrics(0.25)) == {0: {"running": 1.0}}
     # an engine that counts its own blocks (ours) keeps its counts, whatever capacity is given
-    assert jobs.parse_engine_metrics(OURS, CAPACITY) == {
+    assert replica_jobs.parse_engine_metrics(OURS, CAPACITY) == {
         0: {"kv_blocks_used": 3.0, "kv_blocks_total": 64.0}
     }
 
@@ -105,7 +111,7 @@ async def test_the_scrape_records_a_vllm_ranks_blocks_used_and_total(vllm_standi
         CAPACITY,
     )
     try:
-        assert await sync_to_async(jobs.scrape_fleet)() == (2 if dp_aware else 1)
+        assert await sync_to_async(replica_jobs.scrape_fleet)() == (2 if dp_aware else 1)
         if dp_aware:  # one sample per DP rank
             assert await sync_to_async(latest_samples)() == {
                 0: (True, 250, 1000),
@@ -219,15 +225,15 @@ async def test_a_vllm_fleet_full_by_its_metrics_holds_new_requests_until_a_scrap
             dp_aware=True, policy="round_robin", saturation_kv_usage=0.9, queue_timeout_s=10
         )
     )
-    await worker_add(url=engine.url, runtime=router)
+    await worker_add(url=engine.url, runtime=LiveFleet(router))
     fleet_sync = FleetSync(router)  # what every router process runs every 2 s
-    admission = Admission.for_router(router)
-    transport = httpx.ASGITransport(app=build_application(router))
+    admission = make_admission(router)
+    transport = httpx.ASGITransport(app=build_application(router, admission))
     client = httpx.AsyncClient(transport=transport, base_url="http://localhost", timeout=30)
 
     async def scrape_and_sync(*usage: float) -> list:
         engine.metrics_text = vllm_metrics(*usage)
-        await sync_to_async(jobs.scrape_fleet)()
+        await sync_to_async(replica_jobs.scrape_fleet)()
         await fleet_sync.sync()
         return [t.kv_usage for t in router.fleet.all_targets()]
 
@@ -249,7 +255,7 @@ async def test_a_vllm_fleet_full_by_its_metrics_holds_new_requests_until_a_scrap
 
         # scraped, not applied yet: a router process follows the database only when it syncs
         engine.metrics_text = vllm_metrics(0.95, 0.5)
-        await sync_to_async(jobs.scrape_fleet)()
+        await sync_to_async(replica_jobs.scrape_fleet)()
         await asyncio.sleep(0.2)
         assert not held.done()
         await fleet_sync.sync()

@@ -5,7 +5,8 @@ and a worker whose tokenizer cannot be loaded is routed on text digests instead 
 import subprocess
 import sys
 
-from apps.routing.request_shape import CHUNK_CHARS, shape_request, text_digests
+from apps.routing.decision.request_shape import CHUNK_CHARS, shape_request, text_digests
+from apps.routing.live import LiveFleet
 from engine.tiny import ensure_tiny_model
 
 ROUTER_CODE = """
@@ -13,8 +14,8 @@ import os, sys
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
 import django
 django.setup()
-import controlplane.asgi, apps.routing.process, apps.routing.router
-from apps.routing.request_shape import load_tokenizer, prompt_token_ids, shape_request
+import controlplane.asgi, apps.routing.process, apps.routing.decision.router
+from apps.routing.decision.request_shape import load_tokenizer, prompt_token_ids, shape_request
 body = {"messages": [{"role": "system", "content": "Be brief."},
                      {"role": "user", "content": "How does a for statement iterate? " * 8}]}
 shape = shape_request(body, True, sys.argv[1], 16)
@@ -49,8 +50,9 @@ def test_a_tokenizer_that_cannot_be_loaded_falls_back_to_text_digests(tmp_path):
 
 def test_a_workers_tokenizer_is_loaded_when_it_is_discovered_not_at_its_first_request():
     from apps.replicas.models import Worker
-    from apps.routing.request_shape import load_tokenizer, tokenizer_or_none
-    from apps.routing.router import Router, RouterConfig
+    from apps.routing.decision.config import RouterConfig
+    from apps.routing.decision.request_shape import load_tokenizer, tokenizer_or_none
+    from apps.routing.decision.router import Router
     from engine.digests import SCHEME
 
     path = str(ensure_tiny_model())
@@ -59,7 +61,7 @@ def test_a_workers_tokenizer_is_loaded_when_it_is_discovered_not_at_its_first_re
     info = {"dp_size": 2, "model_id": "tiny", "model_path": path, "block_size": 16,
             "prefix_digest": SCHEME, "num_kv_blocks_per_rank": 64}  # fmt: skip
     worker = Worker(id=1, url="http://127.0.0.1:9", dp_size=2, model_id="tiny", server_info=info)
-    Router(RouterConfig(dp_aware=True)).worker_saved(worker, {})
+    LiveFleet(Router(RouterConfig(dp_aware=True))).worker_saved(worker, {})
     assert tokenizer_or_none.cache_info().currsize == 1  # loaded with the worker
     before = load_tokenizer.cache_info().misses
     shape_request({"prompt": "hello " * 40}, False, path, 16)

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from apps.routing.load import RECENT_HALF_LIFE_S, SESSION_HALF_LIFE_S, RankLoad
+from apps.routing.decision.load import RECENT_HALF_LIFE_S, SESSION_HALF_LIFE_S, RankLoad
 from tests.routing.helpers import Clock
 
 

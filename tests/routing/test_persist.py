@@ -7,8 +7,10 @@ from __future__ import annotations
 import pytest
 
 from apps.replicas.models import Rank, Worker
-from apps.routing.persist import persist_stats, restore_stats
-from apps.routing.router import Router, RouterConfig
+from apps.routing.decision.config import RouterConfig
+from apps.routing.decision.router import Router
+from apps.routing.feeds.persist import persist_stats, restore_stats
+from apps.routing.live import LiveFleet
 from apps.routing.selectors import build_snapshot
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -18,7 +20,7 @@ URL = "http://127.0.0.1:9"
 def make_router() -> Router:
     router = Router(RouterConfig())
     worker = Worker.objects.get(url=URL)
-    router.worker_saved(worker, {r.rank: r.id for r in worker.ranks.all()})
+    LiveFleet(router).worker_saved(worker, {r.rank: r.id for r in worker.ranks.all()})
     return router
 
 

@@ -8,9 +8,9 @@ import random
 
 import pytest
 
-from apps.routing.load import SESSION_HALF_LIFE_S
-from apps.routing.policies import CacheAware, PowerOfTwo, Random, RoundRobin, make_policy
-from apps.routing.request_shape import RequestShape
+from apps.routing.decision.load import SESSION_HALF_LIFE_S
+from apps.routing.decision.policies import CacheAware, PowerOfTwo, Random, RoundRobin, make_policy
+from apps.routing.decision.request_shape import RequestShape
 from tests.routing.helpers import Clock, targets
 
 B = 16

@@ -5,9 +5,9 @@ import random
 
 import pytest
 
-from apps.routing.policies import CacheAware, RoundRobin
-from apps.routing.request_shape import load_tokenizer
-from apps.routing.router import NoTarget, Router, RouterConfig
+from apps.routing.decision.policies import CacheAware, RoundRobin
+from apps.routing.decision.request_shape import load_tokenizer
+from apps.routing.decision.router import NoTarget, Router, RouterConfig
 from engine.digests import chain_digests
 from engine.server.openai_api import chat_prompt
 from engine.tiny import ensure_tiny_model

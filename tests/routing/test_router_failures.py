@@ -1,6 +1,6 @@
 """The router's failure paths, end to end with real processes: ``runrouter`` under daphne in front
 of real engines (``runengine``) and of stand-ins that misbehave on purpose
-(tests/support/standin.py).
+(harness/standin.py).
 
 Every path must release the router's load (its /metrics gauges per target return to 0): normal
 streams, upstream 4xx/5xx, upstream timeouts, client disconnects mid-stream and before the first
@@ -28,8 +28,9 @@ import httpx
 import openai
 import pytest
 
-from tests.support import procs
-from tests.support.procs import ServerProcess, free_port, wait_for
+from harness import procs
+from harness.procs import ServerProcess, free_port, wait_for
+from harness.standin import Behaviour, StandIn
 from tests.support.router_checks import (
     ADMIN_HEADERS,
     assert_idle,
@@ -46,7 +47,6 @@ from tests.support.router_checks import (
     start_router,
     texts,
 )
-from tests.support.standin import Behaviour, StandIn
 
 pytestmark = pytest.mark.slow
 
@@ -510,7 +510,7 @@ def assert_same_as_the_engine_direct(cluster: Cluster, body: dict, routed) -> No
 
 def test_a_long_completion_is_tokenized_once_by_the_router_not_again_by_the_engine(cluster):
     """The router tokenizes a long text prompt to route it and sends the ids beside the text
-    (engine/server/openai_api.py PRETOKENIZED): the engine computes them without encoding the
+    (serving/openai_fields.py PRETOKENIZED): the engine computes them without encoding the
     text again, and answers exactly what it answers to the text alone. Not for chat, not for a
     short prompt, and a client's own ids field is dropped."""
     long_prompt = "the quick brown fox jumps over the lazy dog " * 100  # 4,400 characters

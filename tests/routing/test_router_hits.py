@@ -6,7 +6,6 @@ same order, under the engine's block rules (full 16-token blocks, last prompt to
 """
 
 import asyncio
-import sys
 
 import pytest
 
@@ -14,7 +13,7 @@ from bench import datasets
 from bench.oracle import chat_prompts, oracle_cached
 from bench.runner import RunOptions, send_conversations, send_samples
 from bench.stats import balance
-from tests.support.procs import free_port, metrics, start, start_engine
+from harness.procs import free_port, metrics, router_command, start, start_engine
 
 pytestmark = pytest.mark.slow
 
@@ -34,18 +33,7 @@ def fleet(engine, tmp_path):
     """A fresh router per workload (each workload is its own experiment; the engine is shared and
     every workload uses prefixes it has never seen)."""
     port = free_port()
-    cmd = [
-        sys.executable,
-        "manage.py",
-        "runrouter",
-        "--worker-urls",
-        engine.url,
-        "--dp-aware",
-        "--policy",
-        "cache_aware",
-        "--port",
-        str(port),
-    ]
+    cmd = router_command(engine.url, port=port, policy="cache_aware")
     with start(
         cmd,
         f"http://127.0.0.1:{port}",
@@ -56,7 +44,7 @@ def fleet(engine, tmp_path):
 
 
 def tokenizer():
-    from apps.routing.request_shape import load_tokenizer
+    from apps.routing.decision.request_shape import load_tokenizer
     from engine.tiny import ensure_tiny_model
 
     return load_tokenizer(str(ensure_tiny_model()))

@@ -18,8 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.support import procs
-from tests.support.procs import free_port
+from harness import procs
+from harness.procs import free_port, router_command
 from tests.support.router_checks import (
     assert_idle,
     body_for,
@@ -33,8 +33,7 @@ pytestmark = pytest.mark.slow
 
 def start_router_on(tmp, db: str, worker_urls: list[str], name: str):
     port = free_port()
-    cmd = [sys.executable, "manage.py", "runrouter", "--worker-urls", *worker_urls, "--dp-aware",
-           "--port", str(port), "--health-check-interval-secs", "30"]  # fmt: skip
+    cmd = router_command(worker_urls, "--health-check-interval-secs", "30", port=port)
     return procs.start(
         cmd,
         f"http://127.0.0.1:{port}",
@@ -51,7 +50,7 @@ def test_restarted_with_other_workers_no_request_goes_to_the_gone_one(tmp_path):
         [
             sys.executable,
             "-m",
-            "tests.support.standin",
+            "harness.standin",
             "--port",
             str(old_port),
             "--dp-size",

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import random
 
-from apps.routing.router import Router, RouterConfig
-from apps.routing.sessions import SessionTable, session_of
+from apps.routing.decision.config import RouterConfig
+from apps.routing.decision.router import Router
+from apps.routing.decision.sessions import SessionTable, session_of
 from tests.routing.helpers import Clock, targets, use_clock, worker_view
 
 
@@ -89,11 +90,11 @@ async def test_the_endpoint_reads_the_session_from_the_header_or_the_user_field(
 
     from controlplane import http as http_client
     from controlplane.asgi import build_application
-    from tests.support.standin import StandIn
+    from harness.standin import StandIn
 
     r = Router(RouterConfig(policy="round_robin"), rng=random.Random(0))
     with StandIn(dp_size=4).start() as engine:
-        from apps.routing.fleet import WorkerView
+        from apps.routing.decision.fleet import WorkerView
 
         r.fleet.put(
             WorkerView(1, engine.url, "", "standin", {"standin"}, 4, True, None, None, None)

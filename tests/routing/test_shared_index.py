@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import queue
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
@@ -14,12 +13,13 @@ from contextlib import ExitStack, contextmanager
 import httpx
 import pytest
 
-from apps.routing.router import Router, RouterConfig
-from apps.routing.shared_index import LOAD_TTL_S, IndexSync
+from apps.routing.decision.config import RouterConfig
+from apps.routing.decision.router import Router
+from apps.routing.feeds.shared_index import LOAD_TTL_S, IndexSync
+from harness.procs import free_port, router_command, start, start_engine, wait_for
+from harness.standin import Behaviour, StandIn
 from tests.routing.helpers import worker_view
-from tests.support.procs import free_port, start, start_engine, wait_for
 from tests.support.router_checks import counter
-from tests.support.standin import Behaviour, StandIn
 
 
 @contextmanager
@@ -31,16 +31,7 @@ def two_routers(tmp_path, worker_url: str, redis_url: str):
         routers = []
         for name in ("a", "b"):
             port = free_port()
-            cmd = [
-                sys.executable,
-                "manage.py",
-                "runrouter",
-                "--worker-urls",
-                worker_url,
-                "--dp-aware",
-                "--port",
-                str(port),
-            ]
+            cmd = router_command(worker_url, port=port)
             routers.append(
                 stack.enter_context(
                     start(cmd, f"http://127.0.0.1:{port}", tmp_path / f"{name}.log", env=env)

@@ -8,8 +8,8 @@ import time
 
 import msgspec
 
-from apps.routing.fleet import zmq_endpoints, zmq_replay_endpoints
-from apps.routing.vllm_events import MISMATCH_AFTER_BLOCKS, RankDecoder
+from apps.routing.feeds.vllm_events import MISMATCH_AFTER_BLOCKS, RankDecoder
+from apps.routing.records import zmq_endpoints, zmq_replay_endpoints
 from engine.digests import chain_digests
 
 BS = 4

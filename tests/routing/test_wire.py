@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from apps.routing.endpoint import ProxyError, parse
-from apps.routing.upstream import upstream_payload
+from apps.routing.proxy.endpoint import ProxyError, parse
+from apps.routing.proxy.wire import upstream_payload
 from engine.digests import block_digest, chain_digests
 
 
@@ -60,6 +60,40 @@ def test_chained_digests_are_block_digests_chained():
     ],
 )
 def test_the_usage_of_a_stream_event(event, usage):
-    from apps.routing.upstream import usage_of
+    from apps.routing.proxy.wire import usage_of
 
     assert usage_of(event) == usage
+
+
+def test_ids_go_beside_the_text_only_when_made_with_the_engines_own_tokenizer(tmp_path):
+    """With ``--tokenizer-path`` the router digests prompts with its own tokenizer; its ids must
+    not replace the engine's encoding, which may differ (another prompt to the engine)."""
+    from apps.routing.decision.config import RouterConfig
+    from apps.routing.decision.router import Router
+    from apps.routing.proxy.wire import ids_for
+    from apps.routing.records import view_of
+    from engine.digests import SCHEME
+
+    engine_model, routers_tokenizer = tmp_path / "engine-model", tmp_path / "router-tokenizer"
+    engine_model.mkdir(), routers_tokenizer.mkdir()
+    info = {
+        "dp_size": 1,
+        "block_size": 16,
+        "model_path": str(engine_model),
+        "prefix_digest": SCHEME,
+    }
+    worker = SimpleNamespace(
+        id=1, url="http://127.0.0.1:9", api_key="", model_name="tiny", served_model_name="tiny",
+        model_id="tiny", dp_size=1, dp_aware=True, draining=False, health="healthy",
+        Health=SimpleNamespace(UNHEALTHY="unhealthy"), server_info=info, overrides={},
+    )  # fmt: skip
+
+    def sent(tokenizer_path):
+        router = Router(RouterConfig(tokenizer_path=tokenizer_path))
+        router.install_worker(view_of(worker, tokenizer_path), {0: 1})
+        (target,) = router.fleet.all_targets()
+        ids = {router.tokenizer_path_of(target): [1, 2, 3]}
+        return ids_for(router, target, ids)
+
+    assert sent(None) == [1, 2, 3]  # the engine's own tokenizer: its ids are the engine's
+    assert sent(str(routers_tokenizer)) is None  # the router's own: the engine encodes the text

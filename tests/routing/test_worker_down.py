@@ -4,7 +4,7 @@ worker's other ranks; when it answers again it is discovered anew and its index 
 engine without an instance id, like vLLM, cannot say it restarted). Workers restored from the
 database are probed before the fleet serves them.
 
-In process (the router's ASGI app over httpx), with stand-in engines (tests/support/standin.py)
+In process (the router's ASGI app over httpx), with stand-in engines (harness/standin.py)
 whose port is closed and reopened: the real-engine and real-vLLM versions of the kill are in
 tests/routing/test_router_failures.py and tests/vllm/."""
 
@@ -17,12 +17,14 @@ import pytest
 
 from apps.replicas.models import Worker
 from apps.replicas.services import worker_add
-from apps.routing.health import check_worker
+from apps.routing.decision.config import RouterConfig
+from apps.routing.decision.router import Router
+from apps.routing.feeds.health import check_worker
+from apps.routing.live import LiveFleet
 from apps.routing.process import RouterProcess
-from apps.routing.router import Router, RouterConfig
 from controlplane import http
 from controlplane.asgi import build_application
-from tests.support.standin import Behaviour, StandIn
+from harness.standin import Behaviour, StandIn
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -71,8 +73,8 @@ async def recorded_health(worker_id: int, want: str) -> str:
 
 async def test_a_refused_connection_takes_the_whole_worker_out_at_once(router, client, standins):
     dead, alive = standins(4), standins(2)
-    gone = await worker_add(url=dead.url, runtime=router)
-    await worker_add(url=alive.url, runtime=router)
+    gone = await worker_add(url=dead.url, runtime=LiveFleet(router))
+    await worker_add(url=alive.url, runtime=LiveFleet(router))
     dead_keys = [t.key for t in router.fleet.targets[gone.id]]
     for key in dead_keys:  # what the index believed the dead engine held
         router.index.insert(key, [1, 2, 3])
@@ -112,7 +114,7 @@ async def test_a_reset_connection_is_confirmed_by_a_probe_before_the_worker_is_t
     router, client, standins
 ):
     flaky = standins(2)
-    await worker_add(url=flaky.url, runtime=router)
+    await worker_add(url=flaky.url, runtime=LiveFleet(router))
     # the engine lives but drops this one connection before answering
     flaky.script.append(Behaviour(reset=True))
     r = await client.post("/v1/completions", json=BODY)

@@ -11,8 +11,8 @@ import os
 
 import pytest
 
-from bench.vllm import VLLMServer, start_vllm, vllm_venv
 from engine.tiny import ensure_tiny_model
+from harness.vllm import VLLMServer, start_vllm, vllm_venv
 
 # small enough that a test can make it evict, large enough for the hit-rate workloads
 BLOCKS_PER_RANK = 160

@@ -14,10 +14,12 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from apps.replicas.jobs import parse_engine_metrics
 from apps.replicas.services import worker_add
-from apps.routing.jobs import parse_engine_metrics
-from apps.routing.kv_events import KVEventsFeed
-from apps.routing.router import Router, RouterConfig
+from apps.routing.decision.config import RouterConfig
+from apps.routing.decision.router import Router
+from apps.routing.feeds.kv_events import KVEventsFeed
+from apps.routing.live import LiveFleet
 from controlplane import http
 from controlplane.asgi import build_application
 from engine.digests import chain_digests
@@ -33,7 +35,7 @@ COMPLETION = {"prompt": "the quick brown fox jumps over", "max_tokens": 4}
 @pytest.fixture
 async def router(vllm_server):
     router = Router(RouterConfig(dp_aware=True))
-    await worker_add(url=vllm_server.url, runtime=router)
+    await worker_add(url=vllm_server.url, runtime=LiveFleet(router))
     yield router
     await http.client.aclose()
 
@@ -69,7 +71,7 @@ async def test_discovery_reads_what_vllm_says_and_where(router, vllm_server):
     ]
     if vllm_server.kv_events:
         assert list(view.zmq_kv_events) == vllm_server.kv_events  # from /kv_event_sources
-    live = router.worker_live(view.worker_id)
+    live = router.worker_state(view.worker_id)
     assert live["health"] == "healthy" and len(live["targets"]) == 2
 
 
@@ -321,8 +323,8 @@ async def test_replay_gives_a_late_reader_what_vllm_already_holds(router, client
 async def test_a_killed_vllm_is_out_at_once_and_taken_back_with_an_empty_index(
     router, client, vllm_server, vllm_python_venv, tmp_path
 ):
-    from apps.routing.health import check_worker
-    from bench.vllm import start_vllm
+    from apps.routing.feeds.health import check_worker
+    from harness.vllm import start_vllm
 
     holder = globals()["vllm_holder"]
     router.config.health_success_threshold = 1

@@ -3,7 +3,9 @@
 from django.core.management import call_command
 from django.core.management.base import BaseCommand
 
-from apps.routing.process import add_router_arguments, ensure_admin_user, serve_router
+from apps.routing.flags import add_router_arguments
+from apps.routing.process import serve_router
+from controlplane.bootstrap import ensure_admin_user
 
 
 class Command(BaseCommand):

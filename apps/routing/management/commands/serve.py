@@ -11,8 +11,9 @@ from django.conf import settings
 from django.core.management import call_command
 from django.core.management.base import BaseCommand
 
-from apps.routing.policies import POLICY_NAMES
-from apps.routing.process import ensure_admin_user, serve_router
+from apps.routing.decision.policies import POLICY_NAMES
+from apps.routing.process import serve_router
+from controlplane.bootstrap import ensure_admin_user
 
 
 class Command(BaseCommand):

@@ -9,7 +9,7 @@ the timeout, ``stop`` is called: the reactor's, whose shutdown runs the process'
 (``RouterProcess.stop``: the background loops cancelled, the outbound connections closed) and cuts
 whatever is still running. A second signal stops at once.
 
-The signal handling is the engine's (engine/server/drain.py), shared with ``runengine``.
+The signal handling is serving/drain.py's, shared with ``runengine``.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from __future__ import annotations
 import logging
 import time
 
-from engine.server.drain import SIGNALS
-from engine.server.drain import Drain as GracefulStop
+from serving.drain import SIGNALS
+from serving.drain import Drain as GracefulStop
 
 __all__ = ["SIGNALS", "Drain"]
 
-logger = logging.getLogger("apps.router")
+logger = logging.getLogger(__name__)
 
 
 class Drain(GracefulStop):

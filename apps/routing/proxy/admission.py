@@ -5,12 +5,9 @@ A request is admitted (``Admission.acquire`` returns a ``Slot``) when
 
 - a slot is free: fewer than ``--max-concurrent-requests`` requests admitted and not ended yet
   (0: no limit), and
-- the fleet is not saturated (``fleet_saturated``): some available target is below
-  ``--saturation-queued-prefill-tokens`` prefill tokens that no engine has started yet (every
-  router process's: ``RankLoad.queued_prefill_tokens``) and, where the router knows a target's KV
-  usage (``Target.kv_usage``: the engine's own, from the latest scrape of its /metrics that
-  ``FleetSync`` applied, a few seconds old; unknown when no recent scrape answered), below
-  ``--saturation-kv-usage``. Both 0: the rule is off.
+- the fleet is not saturated (``fleet_saturated``, apps/routing/proxy/saturation.py): some
+  available target is below ``--saturation-queued-prefill-tokens`` queued prefill tokens and,
+  where its KV usage is known, below ``--saturation-kv-usage``. Both 0: the rule is off.
 
 Otherwise it waits in one queue, the lowest ``X-Priority`` first (vLLM's order), then by arrival.
 When ``--queue-size`` requests are waiting already, or it could no longer have its first token
@@ -21,7 +18,7 @@ requests': a non-streamed one's first token is not seen; at most half the timeou
 is past the timeout. So a request that had to wait gets its first
 token within the timeout, not the timeout plus a prefill: the timeout bounds the TTFT of what is
 admitted, and a client that would miss it hears so early. While the process drains
-(apps/routing/drain.py) every waiting and every new request is rejected with a 503.
+(apps/routing/proxy/drain.py) every waiting and every new request is rejected with a 503.
 
 Waiters are woken when a slot is released, when a dispatched request's prefill ends (its tokens
 leave the targets' queues: this is a ``DispatchObserver``), and, while the fleet stays saturated,
@@ -47,9 +44,10 @@ from collections import deque
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from apps.routing.dispatch import DispatchObserver
+from apps.routing.decision.dispatch import DispatchObserver
+from apps.routing.decision.stats import Histogram
 from apps.routing.metrics import PREFIX
-from apps.routing.stats import Histogram
+from apps.routing.proxy.saturation import fleet_saturated
 from controlplane.errors import error_bytes
 
 SATURATION_POLL_S = 0.05
@@ -101,25 +99,6 @@ class _Waiter:
         self.timer: asyncio.TimerHandle | None = None
 
 
-def target_saturated(target, queued_prefill_tokens: int, kv_usage: float) -> bool:
-    """At or above a threshold (0: that one is off); an unknown KV usage is never above."""
-    if queued_prefill_tokens > 0 and target.load.queued_prefill_tokens >= queued_prefill_tokens:
-        return True
-    return kv_usage > 0 and target.kv_usage is not None and target.kv_usage >= kv_usage
-
-
-def fleet_saturated(fleet, queued_prefill_tokens: int, kv_usage: float) -> bool:
-    """Every available target is saturated. None available: not saturated (routing answers
-    that with a 503 at once; waiting would not help)."""
-    seen = False
-    for target in fleet.all_targets():
-        if target.available:
-            if not target_saturated(target, queued_prefill_tokens, kv_usage):
-                return False
-            seen = True
-    return seen
-
-
 class Admission(DispatchObserver):
     """The admission queue of one router process. Lives on the event loop (no locks).
 
@@ -151,27 +130,6 @@ class Admission(DispatchObserver):
         self._hold_s: float | None = None  # how long a slot is held, on average lately
         self._first_token_s: deque[float] = deque(maxlen=FIRST_TOKEN_WINDOW)
         self._kick_pending = self._poll_pending = False
-
-    @classmethod
-    def for_router(cls, router) -> Admission:
-        """The router's admission control: made from its config on first use and attached as one
-        of its dispatch observers (it hears of prefill ends, and its /metrics come with the
-        router's); the same one every time after."""
-        for observer in router.observers:
-            if isinstance(observer, cls):
-                return observer
-        c = router.config
-        thresholds = (c.saturation_queued_prefill_tokens, c.saturation_kv_usage)
-        admission = cls(
-            max_concurrent=c.max_concurrent_requests,
-            queue_size=c.queue_size,
-            queue_timeout_s=c.queue_timeout_s,
-            saturated=functools.partial(fleet_saturated, router.fleet, *thresholds)
-            if any(t > 0 for t in thresholds)
-            else None,
-        )
-        router.observers.append(admission)
-        return admission
 
     # ----- the request's side ---------------------------------------------------------------------
     async def acquire(self, priority: int = 0) -> Slot:
@@ -417,3 +375,22 @@ class Admission(DispatchObserver):
             "1 while this router process drains before it stops (new requests get 503)",
             value=int(self.draining),
         )
+
+
+def make_admission(router) -> Admission:
+    """The router process's admission control, made from its config and attached as one of the
+    router's dispatch observers (it hears of prefill ends, and its /metrics come with the
+    router's). The process makes one (apps/routing/process.py) and hands it to the endpoint, the
+    drain and the dashboard."""
+    c = router.config
+    thresholds = (c.saturation_queued_prefill_tokens, c.saturation_kv_usage)
+    admission = Admission(
+        max_concurrent=c.max_concurrent_requests,
+        queue_size=c.queue_size,
+        queue_timeout_s=c.queue_timeout_s,
+        saturated=functools.partial(fleet_saturated, router.fleet, *thresholds)
+        if any(t > 0 for t in thresholds)
+        else None,
+    )
+    router.observers.append(admission)
+    return admission

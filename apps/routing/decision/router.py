@@ -4,29 +4,25 @@ One ``Router`` per router process, built by the process start (apps/routing/proc
 handed to what needs it: the ASGI app puts it in each request's scope (controlplane/asgi.py), the
 background loops are given it. Tests build their own.
 
-It is also the process's ``FleetRuntime`` (apps/replicas/runtime.py): the replicas app's services
-tell it when the record of who serves changes (``worker_saved`` ...), and it installs that in its
-fleet and index.
+Who serves comes in as ``WorkerView``s: ``install_worker``, ``remove_worker`` ... keep the fleet,
+the index and the volume consistent with each other. The replicas' records reach it through the
+process's ``LiveFleet`` (apps/routing/live.py), which reads the rows; the router never does.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import random
-from dataclasses import dataclass
 
-from django.conf import settings
-from django.core.exceptions import ImproperlyConfigured
-
-from apps.replicas.runtime import SCOPE_KEY, runtime_of
-from apps.routing.dispatch import Dispatch, DispatchObserver
-from apps.routing.fleet import Fleet, Target, view_of
-from apps.routing.index import PrefixDemand, PrefixIndex, ServedVolume
-from apps.routing.policies import POLICIES, Policy, make_policy
-from apps.routing.request_shape import RequestShape, shape_request, tokenizer_or_none
-from apps.routing.sessions import SessionTable
-from apps.routing.stats import RouterStats
+from apps.routing.decision.config import RouterConfig
+from apps.routing.decision.demand import PrefixDemand, ServedVolume
+from apps.routing.decision.dispatch import Dispatch, DispatchObserver
+from apps.routing.decision.fleet import Fleet, Target, WorkerView
+from apps.routing.decision.index import PrefixIndex
+from apps.routing.decision.policies import Policy, make_policy
+from apps.routing.decision.request_shape import RequestShape, shape_request
+from apps.routing.decision.sessions import SessionTable
+from apps.routing.decision.stats import RouterStats
 
 logger = logging.getLogger(__name__)
 
@@ -35,97 +31,9 @@ class NoTarget(Exception):
     """No available target serves the requested model."""
 
 
-@dataclass
-class RouterConfig:
-    policy: str = "cache_aware"
-    dp_aware: bool = True
-    tokenizer_path: str | None = None
-    cache_threshold: float = 0.3  # accepted for SGLang compatibility (see docs/routing.md)
-    balance_abs_threshold: int = 64
-    balance_rel_threshold: float = 1.5
-    decode_weight: float = 16.0
-    prefix_ttl_s: float = 600.0
-    session_ttl_s: float = 600.0
-    request_timeout_s: float = 600.0
-    connect_timeout_s: float = 5.0
-    max_retries: int = 3
-    retry_backoff_s: float = 0.05
-    health_check_interval_s: float = 10.0
-    health_failure_threshold: int = 3
-    health_success_threshold: int = 2
-    stats_persist_interval_s: float = 5.0
-    # admission control (apps/routing/admission.py); 0: no limit, rule off
-    max_concurrent_requests: int = 0
-    queue_size: int = 100
-    queue_timeout_s: float = 60.0
-    saturation_queued_prefill_tokens: int = 0
-    saturation_kv_usage: float = 0.0
-    drain_timeout_s: float = 25.0  # on SIGTERM/SIGINT (apps/routing/drain.py)
-
-    @classmethod
-    def from_settings(cls, **overrides) -> RouterConfig:
-        """The settings' ``CONTROL_PLANE`` values, then each override that is not None."""
-        cp = settings.CONTROL_PLANE
-        base = cls(
-            policy=cp.get("POLICY", "cache_aware"),
-            cache_threshold=cp.get("CACHE_THRESHOLD", 0.3),
-            balance_abs_threshold=cp.get("BALANCE_ABS_THRESHOLD", 64),
-            balance_rel_threshold=cp.get("BALANCE_REL_THRESHOLD", 1.5),
-            health_check_interval_s=cp.get("HEALTH_CHECK_INTERVAL_S", 10.0),
-            request_timeout_s=cp.get("REQUEST_TIMEOUT_S", 600.0),
-            max_concurrent_requests=cp.get("MAX_CONCURRENT_REQUESTS", 0),
-            queue_size=cp.get("QUEUE_SIZE", 100),
-            queue_timeout_s=cp.get("QUEUE_TIMEOUT_S", 60.0),
-            saturation_queued_prefill_tokens=cp.get("SATURATION_QUEUED_PREFILL_TOKENS", 0),
-            saturation_kv_usage=cp.get("SATURATION_KV_USAGE", 0.0),
-            drain_timeout_s=cp.get("DRAIN_TIMEOUT_S", 25.0),
-        )
-        for key, value in overrides.items():
-            if value is not None:
-                setattr(base, key, value)
-        if base.policy not in POLICIES:
-            raise ImproperlyConfigured(
-                f"unknown routing policy {base.policy!r} (CONTROL_PLANE_POLICY or --policy); "
-                f"choose one of {', '.join(sorted(POLICIES))}"
-            )
-        return base
-
-    @classmethod
-    def from_options(cls, opts: dict) -> RouterConfig:
-        """From ``runrouter``'s options (apps/routing/process.py ``add_router_arguments``)."""
-        return cls.from_settings(
-            dp_aware=bool(opts.get("dp_aware")),
-            **{field: opts.get(option) for option, field in OPTION_FIELDS.items()},
-        )
-
-
-# runrouter option -> RouterConfig field, where the names differ (the flags are SGLang's)
-OPTION_FIELDS = {
-    "policy": "policy",
-    "tokenizer_path": "tokenizer_path",
-    "cache_threshold": "cache_threshold",
-    "balance_abs_threshold": "balance_abs_threshold",
-    "balance_rel_threshold": "balance_rel_threshold",
-    "decode_weight": "decode_weight",
-    "health_check_interval_secs": "health_check_interval_s",
-    "health_failure_threshold": "health_failure_threshold",
-    "health_success_threshold": "health_success_threshold",
-    "request_timeout_secs": "request_timeout_s",
-    "max_retries": "max_retries",
-    "prefix_ttl_secs": "prefix_ttl_s",
-    "session_ttl_secs": "session_ttl_s",
-    "max_concurrent_requests": "max_concurrent_requests",
-    "queue_size": "queue_size",
-    "queue_timeout_secs": "queue_timeout_s",
-    "saturation_queued_prefill_tokens": "saturation_queued_prefill_tokens",
-    "saturation_kv_usage": "saturation_kv_usage",
-    "drain_timeout_secs": "drain_timeout_s",
-}
-
-
 class Router:
     def __init__(self, config: RouterConfig | None = None, rng: random.Random | None = None):
-        self.config = config or RouterConfig.from_settings()
+        self.config = config or RouterConfig()
         self.rng = rng or random.Random()
         self.fleet = Fleet()
         self.index = PrefixIndex(ttl_s=self.config.prefix_ttl_s)
@@ -134,7 +42,7 @@ class Router:
         self.sessions = SessionTable(ttl_s=self.config.session_ttl_s)
         self.stats = RouterStats()
         self.policy: Policy = self._make_policy(self.config.policy)
-        # told of every decision and prefill end (apps/routing/shared_index.py, kv_events.py)
+        # told of every decision and prefill end (apps/routing/feeds/shared_index.py, kv_events.py)
         self.observers: list[DispatchObserver] = []
 
     def _make_policy(self, name: str) -> Policy:
@@ -166,7 +74,7 @@ class Router:
         """Choose a target and commit: begin its load, insert the request's blocks into the index
         for it (the engine caches them as it prefills), tell the observers. The returned dispatch
         owns the request's end. ``rank``: only that DP rank of a worker (the client's pin);
-        ``session``: the client's session id (apps/routing/sessions.py), kept on its rank;
+        ``session``: the client's session id (apps/routing/decision/sessions.py), kept on its rank;
         ``ids``: the prompt's token ids per tokenizer path, when already computed
         (``tokenizer_paths`` and request_shape.tokenize_off_loop)."""
 
@@ -269,52 +177,44 @@ class Router:
             ids,
         )
 
-    # ----- the FleetRuntime the replicas app's services tell (apps/replicas/runtime.py) ----------
-    @property
-    def dp_aware(self) -> bool:
-        return self.config.dp_aware
-
-    def worker_saved(self, worker, rank_ids: dict[int | None, int]) -> None:
-        """Serve a discovered worker's targets (a worker not discovered yet waits for the health
-        loop). Targets that survive keep their load and breaker; an engine that restarted (its
-        instance id changed) has empty caches, so the index forgets what it believed there."""
-        if not worker.server_info:
-            return
-        old = self.fleet.workers.get(worker.id)
-        before = {t.key for t in self.fleet.targets.get(worker.id, [])}
-        view = view_of(worker, self.config.tokenizer_path)
+    # ----- who serves: views of the replicas' records, installed by apps/routing/live.py --------
+    def install_worker(self, view: WorkerView, rank_ids: dict[int | None, int]) -> None:
+        """Serve a worker's targets. Targets that survive keep their load and breaker; an engine
+        that restarted (its instance id changed) has empty caches, so the index forgets what it
+        believed there, as it does for ranks that are gone (dp_size or dp-awareness changed)."""
+        old = self.fleet.workers.get(view.worker_id)
+        before = {t.key for t in self.fleet.targets.get(view.worker_id, [])}
         restarted = (
             old is not None and old.instance_id is not None and view.instance_id != old.instance_id
         )
         targets = self.fleet.put(view, rank_ids)
-        # emptied (restarted), or gone (dp_size or dp-awareness changed)
         stale = before if restarted else before - {t.key for t in targets}
         for key in stale:
             self.index.remove_rank(key)
         if restarted:
-            logger.info("worker %s restarted: forgetting what its ranks had cached", worker.url)
+            logger.info("worker %s restarted: forgetting what its ranks had cached", view.url)
         for target in targets:
             self.index.set_capacity(target.key, target.worker.capacity_blocks)
-        if view.tokenizer_path or self.config.tokenizer_path:
-            warm_tokenizer(self.config.tokenizer_path or view.tokenizer_path)
 
-    def worker_cache_lost(self, worker_id: int) -> None:
+    def forget_cache(self, worker_id: int) -> None:
         """The worker's engine may have restarted unseen: forget what its ranks held."""
         for target in self.fleet.targets.get(worker_id, []):
             self.index.remove_rank(target.key)
 
-    def worker_removed(self, worker_id: int) -> None:
+    def remove_worker(self, worker_id: int) -> None:
         for target in self.fleet.targets.get(worker_id, []):
             self.index.remove_rank(target.key)
             self.volume.forget(target.key)
         self.fleet.remove(worker_id)
 
-    def worker_draining(self, worker_id: int, draining: bool) -> None:
+    def set_draining(self, worker_id: int, draining: bool) -> None:
         view = self.fleet.workers.get(worker_id)
         if view is not None:
             view.draining = draining
 
-    def worker_live(self, worker_id: int) -> dict | None:
+    def worker_state(self, worker_id: int) -> dict | None:
+        """Health as this process sees it, and each target's circuit, load and index size (with
+        what the observers know of it: precise or not), or None when the worker is not served."""
         view = self.fleet.workers.get(worker_id)
         if view is None:
             return None
@@ -331,25 +231,3 @@ class Router:
             for t in self.fleet.targets.get(worker_id, [])
         ]
         return {"health": "healthy" if view.healthy else "unhealthy", "targets": targets}
-
-
-def warm_tokenizer(path: str) -> None:
-    """Load a worker's tokenizer at discovery, off the event loop when there is one, so that its
-    first request does not pay for it (it is cached: apps/routing/request_shape.py)."""
-    try:
-        loop = asyncio.get_running_loop()
-    except RuntimeError:
-        tokenizer_or_none(path)
-        return
-    loop.run_in_executor(None, tokenizer_or_none, path)
-
-
-def router_of(request_or_scope) -> Router:
-    """The router serving a Django request (or in a Channels scope): the process put it there
-    (controlplane/asgi.py)."""
-    if isinstance(request_or_scope, dict):
-        return request_or_scope[SCOPE_KEY]
-    router = runtime_of(request_or_scope)
-    if router is None:
-        raise RuntimeError("this request was not served by a router process (no router in scope)")
-    return router

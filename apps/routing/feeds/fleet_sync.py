@@ -28,6 +28,7 @@ from django.utils import timezone
 from apps.replicas.discovery import stable_info
 from apps.replicas.models import RankSample
 from apps.replicas.services import worker_list
+from apps.routing.live import LiveFleet
 from apps.routing.services import policy_adopt
 
 logger = logging.getLogger(__name__)
@@ -87,6 +88,7 @@ class FleetSync:
 
     def __init__(self, router):
         self.router = router
+        self.live = LiveFleet(router)  # reads the rows into the router's views
         self.installed: dict[int, tuple] = {}  # worker id -> fingerprint of what was installed
 
     async def sync(self) -> int:
@@ -99,14 +101,14 @@ class FleetSync:
             if self.installed.get(worker.id) == fingerprint:
                 continue
             old = router.fleet.workers.get(worker.id)
-            router.worker_saved(worker, rank_ids)
+            self.live.worker_saved(worker, rank_ids)
             new = router.fleet.workers.get(worker.id)
             if old is not None and new is not None and new is not old:  # health is live state
                 new.keep_live_state(old)
             if worker.server_info:  # undiscovered workers stay pending until the health loop
                 self.installed[worker.id] = fingerprint
         for worker_id in set(router.fleet.workers) - seen:
-            router.worker_removed(worker_id)
+            router.remove_worker(worker_id)
             self.installed.pop(worker_id, None)
             logger.info("worker %s removed elsewhere: forgotten here too", worker_id)
         await self.sync_kv_usage()

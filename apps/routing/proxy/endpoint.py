@@ -8,9 +8,10 @@ these two endpoints do not need: they have no session, no CSRF, no templates. So
 This app takes the request in (access control, method, body) and hands it to
 ``upstream.proxy_request``, which routes, sends and relays it. Access control is checked from the
 scope's headers before the body is read: when API keys are configured (apps/replicas/auth.py) a
-request without one of them is answered 401. Then the admission control (apps/routing/admission.py)
-lets it through, or holds it in its queue (``X-Priority``: lower first), or answers why not (429,
-or 503 while the process drains); the slot it was given is released however the request ends.
+request without one of them is answered 401. Then the admission control
+(apps/routing/proxy/admission.py) lets it through, or holds it in its queue (``X-Priority``: lower
+first), or answers why not (429, or 503 while the process drains); the slot it was given is released
+however the request ends.
 """
 
 from __future__ import annotations
@@ -18,12 +19,12 @@ from __future__ import annotations
 import re
 
 from apps.replicas.auth import INVALID_API_KEY_BODY, api_key_allowed, scope_authorization
-from apps.routing.admission import Admission, Rejected
-from apps.routing.router import Router
-from apps.routing.sessions import session_of
-from apps.routing.upstream import ProxyError, proxy_request
-from engine.server.asgi import BodyTooLarge, ClientGone, read_body, send_body, until_disconnect
-from engine.server.openai_api import APIError, rank_hint, strict_json
+from apps.routing.decision.router import Router
+from apps.routing.decision.sessions import session_of
+from apps.routing.proxy.admission import Admission, Rejected, make_admission
+from apps.routing.proxy.upstream import ProxyError, proxy_request
+from serving.asgi import BodyTooLarge, ClientGone, read_body, send_body, until_disconnect
+from serving.openai_fields import APIError, rank_hint, strict_json
 
 PATHS = {"/v1/completions": False, "/v1/chat/completions": True}  # path -> chat?
 MAX_BODY_BYTES = 16 * 2**20
@@ -33,9 +34,9 @@ PRIORITY = re.compile(r"[+-]?[0-9]{1,18}")
 class OpenAIEndpoint:
     """The ASGI app of ``PATHS``, serving through ``router``."""
 
-    def __init__(self, router: Router):
+    def __init__(self, router: Router, admission: Admission | None = None):
         self.router = router
-        self.admission = Admission.for_router(router)
+        self.admission = admission or make_admission(router)
 
     async def __call__(self, scope, receive, send) -> None:
         path, stats = scope["path"], self.router.stats

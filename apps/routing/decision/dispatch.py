@@ -12,8 +12,8 @@ request's two ends, each happening once however the request goes:
 
 Both ends tell the ``DispatchObserver``s that the prefill is over (a request that ends before its
 first token has given up on it). The load ticket is the one record of which ends have happened.
-The proxy (apps/routing/upstream.py) calls ``finish`` from one ``finally`` per attempt; nothing
-else ends a request's load.
+The proxy (apps/routing/proxy/upstream.py) calls ``finish`` from one ``finally`` per attempt;
+nothing else ends a request's load.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from __future__ import annotations
 import abc
 import time
 
-from apps.routing.fleet import Target
-from apps.routing.load import LoadTicket
-from apps.routing.request_shape import RequestShape
-from apps.routing.stats import RouterStats
+from apps.routing.decision.fleet import Target
+from apps.routing.decision.load import LoadTicket
+from apps.routing.decision.request_shape import RequestShape
+from apps.routing.decision.stats import RouterStats
 
 
 class DispatchObserver(abc.ABC):

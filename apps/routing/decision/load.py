@@ -6,10 +6,11 @@ error, a timeout or a client disconnect (``RankLoad.end`` is idempotent, and cal
 the work that delays a newcomer's first token.
 
 With several router processes (``REDIS_URL``), each also knows the others' load on the same
-target, as they last published it (apps/routing/shared_index.py): ``set_peer`` / ``drop_peer``.
-The policies read the totals (``inflight``, ``inflight_tokens``, ``queued_prefill_tokens``,
-``active_sessions``, ``recent_requests``); the plain counters (``requests``, ``prompt_tokens``,
-``pending_prefill_tokens``) stay this process's own, and only they are ever published.
+target, as they last published it (apps/routing/feeds/shared_index.py): ``set_peer`` /
+``drop_peer``. The policies read the totals (``inflight``, ``inflight_tokens``,
+``queued_prefill_tokens``, ``active_sessions``, ``recent_requests``); the plain counters
+(``requests``, ``prompt_tokens``, ``pending_prefill_tokens``) stay this process's own, and only they
+are ever published.
 """
 
 from __future__ import annotations

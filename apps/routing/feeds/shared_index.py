@@ -12,8 +12,9 @@ the network). What one process routes, it also publishes on a Redis channel:
   theirs (``RankLoad.set_peer``), so a rank that process A has filled looks busy to process B too.
   A process that stops says goodbye (``goodbye``); one that died without it stops counting when
   its snapshot is older than ``LOAD_TTL_S``. The snapshot also carries the process's own served
-  volume per target (prompt tokens of the last minutes, apps/routing/index.py ``ServedVolume``),
-  so the cost model's volume term evens out the fleet's work, not one process's share of it.
+  volume per target (prompt tokens of the last minutes, apps/routing/decision/index.py
+  ``ServedVolume``), so the cost model's volume term evens out the fleet's work, not one process's
+  share of it.
 
 Publishing never blocks routing: inserts go into a bounded queue that a background task drains;
 when Redis is slow or away the queue drops the oldest entries (an index is a hint), load snapshots
@@ -31,7 +32,7 @@ from collections import deque
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from apps.routing.dispatch import DispatchObserver
+from apps.routing.decision.dispatch import DispatchObserver
 from apps.routing.metrics import PREFIX
 
 logger = logging.getLogger(__name__)

@@ -15,8 +15,8 @@ whatever the engine hashes with, and a block size the router did not expect is c
 carry theirs) instead of silently matching nothing.
 
 ``RankDecoder`` is the pure part (one per target); ``follow`` reads one rank's socket into it and
-hands the translated batches to the KV-event feed (apps/routing/kv_events.py), which applies them
-with the same semantics as our own engine's events.
+hands the translated batches to the KV-event feed (apps/routing/feeds/kv_events.py), which applies
+them with the same semantics as our own engine's events.
 """
 
 from __future__ import annotations

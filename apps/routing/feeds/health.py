@@ -14,8 +14,9 @@ import logging
 
 from apps.replicas.models import Worker
 from apps.replicas.services import worker_add, worker_set_health
-from apps.routing.fleet import WorkerView
-from apps.routing.router import Router
+from apps.routing.decision.fleet import WorkerView
+from apps.routing.decision.router import Router
+from apps.routing.live import LiveFleet
 from controlplane import http
 
 logger = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ async def check_worker(router: Router, view: WorkerView) -> None:
 
 async def rediscover(router: Router, view: WorkerView) -> WorkerView:
     """Another engine instance answers at the worker's URL (a restart: its prefix caches are
-    empty, maybe its dp_size changed). Discover it again now; ``Router.worker_saved`` forgets
+    empty, maybe its dp_size changed). Discover it again now; ``Router.install_worker`` forgets
     the index. Returns the worker's view now (a new one when the row was reinstalled)."""
     logger.info("worker %s answers with another instance id: rediscovering", view.url)
     await _discover_again(router, view)
@@ -80,14 +81,16 @@ async def came_back(router: Router, view: WorkerView) -> WorkerView:
     if view.instance_id is None:
         await _discover_again(router, view)
         view = _current(router, view)
-        router.worker_cache_lost(view.worker_id)
+        router.forget_cache(view.worker_id)
         logger.info("worker %s is back: its ranks' index starts empty", view.url)
     return view
 
 
 async def _discover_again(router: Router, view: WorkerView) -> None:
     try:
-        await worker_add(url=view.url, api_key=view.api_key, dp_aware=view.dp_aware, runtime=router)
+        await worker_add(
+            url=view.url, api_key=view.api_key, dp_aware=view.dp_aware, runtime=LiveFleet(router)
+        )
     except Exception as exc:  # not answering /server_info yet: the next round tries again
         logger.warning("rediscovering %s failed: %s", view.url, exc)
 

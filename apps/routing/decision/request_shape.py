@@ -19,8 +19,8 @@ import os
 import xxhash
 
 from engine.digests import chain_digests
-from engine.server.openai_api import OFF_LOOP_CHARS, prompt_text_chars
 from engine.tokenize_cache import encode_text
+from serving.openai_fields import OFF_LOOP_CHARS, prompt_text_chars
 
 logger = logging.getLogger(__name__)
 
@@ -121,10 +121,10 @@ class RequestShape:
     """A request as the router routes it: its digests, its prompt size in tokens (or an estimate),
     the unit one digest covers (``block_tokens``), and whether it is a chat turn (``chat``).
     ``prefix_share`` is the router's, set before a policy reads the shape: the fraction of recent
-    requests that shared the prefix this one shares (apps/routing/index.py ``PrefixDemand``;
-    None: not known, and a policy takes the prefix as hot). ``volume_excess`` is the router's too:
-    each candidate's prompt tokens of the last minutes relative to the candidates' mean
-    (``ServedVolume.excess``; None: not known, and a policy ignores it)."""
+    requests that shared the prefix this one shares (apps/routing/decision/index.py
+    ``PrefixDemand``; None: not known, and a policy takes the prefix as hot). ``volume_excess`` is
+    the router's too: each candidate's prompt tokens of the last minutes relative to the candidates'
+    mean (``ServedVolume.excess``; None: not known, and a policy ignores it)."""
 
     __slots__ = ("digests", "prompt_tokens", "block_tokens", "chat", "prefix_share",
                  "volume_excess")  # fmt: skip

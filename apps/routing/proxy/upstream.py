@@ -3,8 +3,8 @@ nothing has reached the client.
 
 ``proxy_request`` is the whole story, in order:
 
-1. ``Router.route`` picks a target and returns a ``Dispatch`` (apps/routing/dispatch.py), which
-   owns the request's two ends;
+1. ``Router.route`` picks a target and returns a ``Dispatch``
+   (apps/routing/decision/dispatch.py), which owns the request's two ends;
 2. ``_attempt`` posts the body (the rank injected) to the target's engine and relays the answer:
    a JSON body as it is, or the SSE stream event by event (the first event is the first token);
    its one ``finally`` ends the dispatch, however the attempt ends;
@@ -13,7 +13,7 @@ nothing has reached the client.
    read timeout is not retried: the engine may be generating, and a retry would run it twice.
    A refused connection takes the whole worker out at once (its ranks share the endpoint; a
    reset is first confirmed by a probe), so the retry goes to another worker
-   (apps/routing/health.py).
+   (apps/routing/feeds/health.py).
 
 The router asks for the engine's usage on every stream (to learn its cached tokens); when the
 client did not ask for it, the usage-only event is dropped on the way.
@@ -23,21 +23,19 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import logging
 import random
 
 import aiohttp
-import msgspec
 
-from apps.routing import health
-from apps.routing.dispatch import Dispatch
-from apps.routing.request_shape import tokenize_off_loop
-from apps.routing.router import NoTarget, Router
+from apps.routing.decision.dispatch import Dispatch
+from apps.routing.decision.request_shape import tokenize_off_loop
+from apps.routing.decision.router import NoTarget, Router
+from apps.routing.feeds import health
+from apps.routing.proxy import wire
 from controlplane import http
 from controlplane.errors import error_bytes
-from engine.server.asgi import SSE_HEADERS, end_body, send_body, send_chunk
-from engine.server.openai_api import PRETOKENIZED
+from serving.asgi import SSE_HEADERS, end_body, send_body, send_chunk
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +89,7 @@ async def proxy_request(
 ) -> None:
     """Serve one request through the router; cancelled when the client disconnects. ``rank``:
     the client's own pin (endpoint.client_rank), else the router chooses; ``session``: the
-    client's session id (apps/routing/sessions.py)."""
+    client's session id (apps/routing/decision/sessions.py)."""
     model = body.get("model") if isinstance(body.get("model"), str) else None
     tried: set[str] = set()
     last: ProxyError | None = None
@@ -108,7 +106,7 @@ async def proxy_request(
             return
         tried.add(dispatch.target.key)
         last_try = attempt == router.config.max_retries
-        given = None if chat else _ids_for(router, dispatch.target, ids)
+        given = None if chat else wire.ids_for(router, dispatch.target, ids)
         retry = await _attempt(router, dispatch, body, path, send, last_try=last_try, ids=given)
         if retry is None:
             return
@@ -117,22 +115,6 @@ async def proxy_request(
         backoff = router.config.retry_backoff_s * (1.5**attempt) * (1 + 0.2 * random.random())
         await asyncio.sleep(backoff)
     await send_body(send, last.status, last.body())
-
-
-def _ids_for(router: Router, target, ids: dict) -> list[int] | None:
-    """A completion prompt's token ids to send beside it (engine/server/openai_api.py
-    ``PRETOKENIZED``), so the engine need not tokenize it again: only to our own engine, and only
-    ids made with its own tokenizer files (not a ``--tokenizer-path`` of the router's). Not for
-    chat: there the router renders the chat template itself (engine.chat_template), held to
-    transformers' rendering by tests for the templates we know, but a user's template could
-    render differently, and then the engine would compute another prompt than its own; a
-    mismatch in a completion's plain encoding is not expected (the same tokenizer.json)."""
-    worker = target.worker
-    if not ids or worker.flavour != "dpmesh" or not worker.tokenizer_path:
-        return None
-    if router.tokenizer_path_of(target) != worker.tokenizer_path:
-        return None
-    return ids.get(worker.tokenizer_path)
 
 
 async def _attempt(
@@ -147,7 +129,7 @@ async def _attempt(
 ) -> ProxyError | None:
     """Send the request to the dispatch's target and relay the answer to the client. Returns
     the error to retry on another target when nothing reached the client, else None. ``ids``:
-    the prompt's token ids in the target's tokenizer, sent beside it (``_ids_for``)."""
+    the prompt's token ids in the target's tokenizer, sent beside it (``wire.ids_for``)."""
     target, config = dispatch.target, router.config
     stream = body.get("stream") is True
     ending = Ending()
@@ -156,8 +138,8 @@ async def _attempt(
         try:
             response = await http.client.get().post(
                 target.worker.url + path,
-                data=upstream_payload(body, dispatch, stream, ids),
-                headers=_upstream_headers(dispatch),
+                data=wire.upstream_payload(body, dispatch, stream, ids),
+                headers=wire.upstream_headers(dispatch),
                 timeout=_timeout(config.connect_timeout_s, config.request_timeout_s),
             )
         except aiohttp.ConnectionTimeoutError as exc:
@@ -183,10 +165,10 @@ async def _attempt(
             raw = await response.read()
             message = f"upstream {target.key} answered {response.status}"
             return ProxyError(response.status, message, "server_error", raw=raw or None)
-        headers = _route_headers(dispatch, response)
+        headers = wire.route_headers(dispatch, response)
         content_type = response.headers.get("content-type", "application/json")
         if response.status == 200 and stream and content_type.startswith("text/event-stream"):
-            await _relay_stream(dispatch, response, _wants_usage(body), send, headers, ending)
+            await _relay_stream(dispatch, response, wire.wants_usage(body), send, headers, ending)
         else:
             try:
                 content = await response.read()
@@ -195,7 +177,7 @@ async def _attempt(
                 await send_body(send, error.status, error.body())
                 return None
             ending.ok = response.status < 400
-            ending.usage = _usage(content) if ending.ok else None
+            ending.usage = wire.usage_from_body(content) if ending.ok else None
             await send_body(send, response.status, content, content_type.encode(), headers)
         return None
     except asyncio.CancelledError:  # the client left
@@ -220,10 +202,10 @@ async def _relay_stream(dispatch, response, client_wants_usage: bool, send, head
             dispatch.first_token()  # once: the first event
             out = []
             for event in events:
-                found = usage_of(event)
+                found = wire.usage_of(event)
                 if found is not None:
                     ending.usage = found
-                    if not client_wants_usage and is_usage_only(event):
+                    if not client_wants_usage and wire.is_usage_only(event):
                         continue
                 out.append(event + b"\n\n")
             if out:  # the events that came together go out together: one write, not one each
@@ -241,77 +223,3 @@ async def _relay_stream(dispatch, response, client_wants_usage: bool, send, head
 @functools.lru_cache(maxsize=8)
 def _timeout(connect_s: float, read_s: float):
     return http.timeout(connect=connect_s, read=read_s)
-
-
-def upstream_payload(
-    body: dict, dispatch: Dispatch, stream: bool, ids: list[int] | None = None
-) -> bytes:
-    payload = dict(body)
-    payload.pop(PRETOKENIZED, None)  # the router's to give, not the client's to pass through
-    if ids is not None:
-        payload[PRETOKENIZED] = ids
-    if dispatch.target.rank is not None:
-        payload.pop("data-parallel-rank", None)
-        payload["data_parallel_rank"] = dispatch.target.rank
-    if stream:
-        payload["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
-    try:  # msgspec: 0.3 ms for a 100 k-character prompt and its ids, where json takes 8
-        return msgspec.json.encode(payload)
-    except (TypeError, ValueError, OverflowError):  # what json still takes: lone surrogates, ...
-        return json.dumps(payload).encode()
-
-
-def _upstream_headers(dispatch: Dispatch) -> dict:
-    """JSON, the engine's key, and the rank in a header too: vLLM reads it only from there, ours,
-    ATOM and SGLang from the body (both are sent to every flavour)."""
-    headers = {
-        "content-type": "application/json",
-        **http.auth_headers(dispatch.target.worker.api_key),
-    }
-    if dispatch.target.rank is not None:
-        headers["x-data-parallel-rank"] = str(dispatch.target.rank)
-    return headers
-
-
-def _route_headers(dispatch: Dispatch, response) -> list:
-    headers = [(b"x-routed-target", dispatch.target.key.encode())]
-    rank = dispatch.target.rank
-    if rank is None:
-        rank = response.headers.get("x-data-parallel-rank")
-    if rank is not None:
-        headers.append((b"x-data-parallel-rank", str(rank).encode()))
-    return headers
-
-
-def _wants_usage(body: dict) -> bool:
-    options = body.get("stream_options")
-    return isinstance(options, dict) and options.get("include_usage") is True
-
-
-def _usage(content: bytes) -> dict | None:
-    try:
-        return json.loads(content).get("usage")
-    except (ValueError, AttributeError):
-        return None
-
-
-def usage_of(event: bytes) -> dict | None:
-    """The usage object of an SSE event, if it carries one (cheap checks before parsing: with
-    ``include_usage`` every chunk of an OpenAI stream has ``"usage": null``, and a quote inside a
-    text is escaped, so ``"usage"`` is the key)."""
-    at = event.find(b'"usage"')
-    if at < 0 or event[at + 7 : at + 16].lstrip(b": ").startswith(b"null"):
-        return None
-    try:
-        data = json.loads(event[event.index(b"{") :])
-    except ValueError:
-        return None
-    return data.get("usage") if isinstance(data, dict) else None
-
-
-def is_usage_only(event: bytes) -> bool:
-    try:
-        data = json.loads(event[event.index(b"{") :])
-    except ValueError:
-        return False
-    return isinstance(data, dict) and data.get("usage") is not None and not data.get("choices")

@@ -70,7 +70,7 @@ PERSISTED_FIELDS = ("requests", "prompt_tokens", "cached_tokens", "predicted_tok
 
 class RouterStats:
     """This process's routing counters. The per-target ones are also written to the Rank rows
-    (apps/routing/persist.py) as increments; ``persisted`` is what has been written so far, so
+    (apps/routing/feeds/persist.py) as increments; ``persisted`` is what has been written so far, so
     ``unwritten`` is this process's part that the rows do not have yet."""
 
     def __init__(self):

@@ -12,8 +12,8 @@ import random
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # annotations only: the registry below is read by models and argparse
-    from apps.routing.fleet import Target
-    from apps.routing.request_shape import RequestShape
+    from apps.routing.decision.fleet import Target
+    from apps.routing.decision.request_shape import RequestShape
 
 
 class Policy(abc.ABC):
@@ -67,100 +67,27 @@ class PowerOfTwo(Policy):
 class CacheAware(Policy):
     """Choose the target where this request costs least, now and for the sessions that follow.
 
-    cost(t) = uncached prefill tokens of this request on t      (what t must compute for it)
-            + prefill tokens already queued on t                (what it computes before it)
-            + decode_weight x requests running on t             (each adds a token to every step)
-            + stickiness x private blocks t lacks              (leaving a session's home strands
-                                                                 its history: later turns pay again)
-            + rework x (uncached on t - least uncached anywhere)
-                                                                (recomputing a cached prefix spends
-                                                                 the fleet's capacity: whoever
-                                                                 queues behind it waits for it)
-            + balance_weight x pressure x excess(t)
-                                                                (where sessions pile up over time)
-            + seat_weight x requests beyond t's seats          (it waits for a running one to end)
-            + volume_weight x prompt x volume excess(t), capped  (a prompt cached nowhere, or on
-                                                                 several holders: each rank's
-                                                                 share of the work)
+    cost(t), in prefill tokens = uncached tokens of this request on t + prefill queued on t
+        + decode_weight x requests running on t        (each adds a token to every decode step)
+        + stickiness x private blocks t lacks          (leaving strands a session's history)
+        + rework x (uncached on t - least uncached)    (recomputing delays whoever queues behind)
+        + balance_weight x pressure x excess(t)        (where sessions pile up over time)
+        + seat_weight x requests beyond t's seats      (it waits for a running request to end)
+        + volume_weight x prompt x volume excess(t)    (each rank's share of the work, over minutes)
 
-    "Private" blocks are matched blocks past the deepest shared branch point
-    (``PrefixIndex.shared_blocks``): one session's own history. A shared prefix (a system prompt
-    every conversation starts with, a hot document) carries no stickiness. ``excess(t)`` is how far
-    above the candidates' mean t's load is: the mean of its relative requests in flight (now) and
-    its relative active sessions (``RankLoad.active_sessions``: turns that continued a session
-    there and chat requests that started one, decayed over 30 s — the load that will keep coming
-    back; one-shot completions never count, so a finished burst of them leaves no trace). It is
-    what makes a shared prefix worth replicating to an idle target before any queue forms there,
-    and it steers new sessions to where active sessions are fewest. It is scaled by
-    ``pressure`` (requests in flight per target, capped at 1): an idle fleet has nothing to
-    balance, so affinity alone decides there. It is bounded (at most ``balance_weight`` x
-    (targets - 1) tokens), so it never outweighs a large cached prefix: there is no global switch
-    that turns affinity off for the whole fleet. And it copies only a hot prefix: one that carries
-    more of the recent traffic than its holders' fair share (``hot``; the router counts each
-    prefix's share, apps/routing/index.py ``PrefixDemand``). Requests of a prefix its holders can
-    absorb bunch up on its home now and then and even out by themselves; for them the term only
-    argues against a copy (``one_sided``). Without that, ten prefixes on two vLLM ranks at eight
-    requests in flight lost one prefix in four runs of six to a copy the moment all eight sat on
-    one rank (0.975 of the hits vLLM's block rules allow; 1.000 in six of six with it).
+    Private blocks lie past the deepest shared branch point (``PrefixIndex.shared_blocks``): one
+    session's history. A shared prefix carries no stickiness, so it replicates when load says so.
+    ``excess`` is t's load above the candidates' mean (requests in flight and active sessions),
+    scaled by ``pressure`` (an idle fleet has nothing to balance: affinity decides) and bounded;
+    for a prefix that is not ``hot`` it only argues against a copy (``one_sided``).
 
-    ``rework`` is what a prefill token computed again, where a cache elsewhere would have served
-    it, costs everyone else: nothing while the fleet is idle (``pressure`` 0); at least
-    ``rework_floor`` once it is busy; and as many times as requests of this size are queued per
-    target (up to ``rework_cap``), since each token of extra work delays every request queued
-    behind it. Without it the cost is one request's time to first token, and under load a hot
-    shared prefix is copied whenever its home's queue is a little longer than the prefix: measured
-    on the Mooncake trace (bench/routing_lab.py, DP 4), 0.87 of the oracle's hits, 0.97 with it,
-    at the same TTFT. The floor is 8, the cap (so on a busy fleet every recomputed token is charged
-    8 times): at 2, a prompt almost wholly cached on a rank busy with one big prefill still left
-    for a copy whenever that prefill was three times its cached part (on the trace 0.5-1 % of the
-    requests, each recomputing all of its cached prefix: 0.98-0.99 of the oracle's hits); at 8,
-    0.998-0.999 where the caches hold the trace, TTFT mean 1-6 % higher. The rest were the same
-    kind of request at 8: a holder busy with one 35-130 k-token prefill, its queue 6-43 times
-    the prompt's cached part, the other ranks idle. So where a copy buys no balance (private
-    history, or a shared prefix that is not ``hot``: the balance term only argues against copying
-    it) and leaving therefore buys only this request's wait, the recomputed tokens are charged
-    the rework above times how much work leaving makes of the request (``amplification``: prompt
-    / its uncached part on the best holder), up to ``rework_max`` (64): a prompt half cached 16
-    times, one almost wholly cached 64. A hot shared prefix keeps the plain rework (its copies
-    are the balance). Routing lab, the four runs of docs/benchmarks.md "Hits at the oracle's": of
-    oracle 0.998 / 0.998 / 0.943 / 0.999 -> 1.000 / 1.000 / 0.941 / 1.000 (lab-sglang 1.000 /
-    1.000 / 0.940 / 1.000), max/mean 1.00-1.10 -> 1.01-1.08, TTFT mean 1-4 % higher (0.49-0.73
-    of lab-sglang's). The price: such a request waits for its holder's queue, up to ~65 times its
-    cached part, while another rank may be idle.
+    ``rework`` is 0 while the fleet is idle and at least ``rework_floor`` once it is busy; where a
+    copy buys no balance it is multiplied by ``amplification``, up to ``rework_max``. The volume
+    term weighs only where a request is free to go and never pulls it into a longer queue
+    (``volumes``). Costs within ``slack`` tie and go to the least loaded, then chance.
 
-    ``seat_weight`` charges a target whose engine already runs as many requests as it has seats
-    (its ``max_num_seqs``, when discovery knows it): a request sent there waits in the engine
-    until a running one finishes, a whole request's decode, where a target with a free seat
-    starts it at once. Measured with bench/overload.py (simulated A100, DP 2, 4 seats a rank,
-    admission at 8): without it the engine's waiting queue reached 1-2 while a seat was free
-    elsewhere, and the admitted requests' TTFT p99 overshot its bound by 0.28 s.
-
-    The volume term evens out the ranks' share of the work over minutes, which every other term
-    forgets as soon as queues drain: ``shape.volume_excess`` is each target's prompt tokens of the
-    last minutes (cached ones too: they fill the rank's KV cache and are read at every decode
-    step) relative to the candidates' mean (apps/routing/index.py ``ServedVolume``), counted up to
-    ``volume_cap`` either way, times the request's own prompt tokens: a big new prompt (the ones
-    that make a rank's share) is steered by up to ``volume_weight x cap`` = 2x its size, a short
-    one hardly at all, so a burst of short requests still spreads by the queues (a flat pull of
-    32 k tokens sent a burst of six short new sessions all to the one rank that had served
-    nothing yet). It weighs only where a request is free to go: anywhere for a prompt no target
-    holds any of, and among its prefix's holders when there are several (there only as a pull
-    toward the least loaded holder, never away from the cache); a prefix's later requests stay
-    with their cache, and the new prompts make up for them. Its pull (a target below the mean)
-    counts only on a target whose prefill queue is as short as the shortest (``volumes``): it
-    chooses among the ranks that can start the prompt now and never buys a wait, since a new
-    prompt pulled into a light rank's queue lengthened it for the prefix requests that came next,
-    and those left their cache for a copy (on the trace 0.971 of the oracle's hits -> 0.985 at
-    DP 4, 1,500 requests, same balance). On the Mooncake trace (bench/routing_lab.py), whose
-    requests mostly find every queue empty, each rank's share drifted like a random walk (one
-    rank of four at 1.18x the mean prompt tokens after 1,500 requests), and over the whole trace
-    a few prefixes reused up to twenty times at 56-76 k tokens each put up to 1.1 M tokens more
-    on one rank of eight (1.22x). With the term: 1.00-1.05x, at the same TTFT (docs/benchmarks.md,
-    "The ranks' share of the work").
-
-    The lowest cost wins; targets within ``slack`` tokens of it count as tied and go to the one
-    with the fewest active sessions plus requests in flight, then the fewest requests lately, then
-    chance (never always target 0).
+    Why each weight is what it is, run by run: docs/routing.md, "CacheAware: the measurements
+    behind each term".
     """
 
     name = "cache_aware"

@@ -32,11 +32,11 @@ from collections import Counter
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from apps.replicas.models import target_key
-from apps.routing import vllm_events
-from apps.routing.dispatch import DispatchObserver
+from apps.replicas.targets import target_key
+from apps.routing.decision.dispatch import DispatchObserver
+from apps.routing.feeds import vllm_events
+from apps.routing.feeds.vllm_events import RankDecoder
 from apps.routing.metrics import PREFIX
-from apps.routing.vllm_events import RankDecoder
 from controlplane import http
 
 logger = logging.getLogger(__name__)

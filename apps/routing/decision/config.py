@@ -1,0 +1,35 @@
+"""What one router process is configured with: the routing knobs (SGLang's flags where they exist),
+the health loop's, the admission control's and the drain's. Plain data: ``apps/routing/flags.py``
+fills it from the settings and ``runrouter``'s options."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class RouterConfig:
+    policy: str = "cache_aware"
+    dp_aware: bool = True
+    tokenizer_path: str | None = None
+    cache_threshold: float = 0.3  # accepted for SGLang compatibility (see docs/routing.md)
+    balance_abs_threshold: int = 64
+    balance_rel_threshold: float = 1.5
+    decode_weight: float = 16.0
+    prefix_ttl_s: float = 600.0
+    session_ttl_s: float = 600.0
+    request_timeout_s: float = 600.0
+    connect_timeout_s: float = 5.0
+    max_retries: int = 3
+    retry_backoff_s: float = 0.05
+    health_check_interval_s: float = 10.0
+    health_failure_threshold: int = 3
+    health_success_threshold: int = 2
+    stats_persist_interval_s: float = 5.0
+    # admission control (apps/routing/proxy/admission.py); 0: no limit, rule off
+    max_concurrent_requests: int = 0
+    queue_size: int = 100
+    queue_timeout_s: float = 60.0
+    saturation_queued_prefill_tokens: int = 0
+    saturation_kv_usage: float = 0.0
+    drain_timeout_s: float = 25.0  # on SIGTERM/SIGINT (apps/routing/proxy/drain.py)

@@ -1,0 +1,123 @@
+"""What the recent traffic asks of the fleet: how hot each shared prefix is (``PrefixDemand``, the
+policy copies only a hot one) and how many prompt tokens each target has served lately
+(``ServedVolume``, with every router process's share), both decaying with time."""
+
+from __future__ import annotations
+
+import time
+
+
+def decayed(value: float, at: float, now: float, half_life_s: float) -> float:
+    """``value`` as of ``at``, halved every ``half_life_s`` up to ``now``."""
+    return value * 0.5 ** ((now - at) / half_life_s)
+
+
+class PrefixDemand:
+    """How much of the recent traffic each shared prefix carries: a count per prefix (named by
+    the digest of its last block, where requests branch) and one over all requests, both decayed
+    with a half-life of ``half_life_s``. ``share`` is the first over the second.
+
+    The cost model reads it to tell a hot prefix, one that needs more ranks than hold it, from a
+    prefix its holders can serve at their fair share of the traffic; only the first is worth
+    copying to an idle rank when requests happen to bunch up on its home."""
+
+    PRUNE_EVERY = 4096
+
+    def __init__(self, half_life_s: float = 30.0, clock=time.monotonic):
+        self.half_life_s, self.clock = half_life_s, clock
+        self.counts: dict[int, tuple[float, float]] = {}  # prefix digest -> (count, as of)
+        self.total, self.total_at = 0.0, clock()
+        self.adds = 0
+
+    def _decayed(self, value: float, at: float, now: float) -> float:
+        return decayed(value, at, now, self.half_life_s)
+
+    def add(self, prefix: int | None) -> None:
+        """One request routed; ``prefix``: the digest that ends the shared prefix it matched."""
+        now = self.clock()
+        self.total = self._decayed(self.total, self.total_at, now) + 1.0
+        self.total_at = now
+        if prefix is not None:
+            value, at = self.counts.get(prefix, (0.0, now))
+            self.counts[prefix] = (self._decayed(value, at, now) + 1.0, now)
+        self.adds += 1
+        if self.adds % self.PRUNE_EVERY == 0:  # forget prefixes no longer asked for
+            self.counts = {
+                d: (v, at) for d, (v, at) in self.counts.items() if self._decayed(v, at, now) > 0.01
+            }
+
+    def share(self, prefix: int) -> float:
+        """The fraction of recent requests that matched ``prefix`` (0 for one never added)."""
+        now = self.clock()
+        value, at = self.counts.get(prefix, (0.0, now))
+        total = self._decayed(self.total, self.total_at, now)
+        return self._decayed(value, at, now) / total if total > 0 else 0.0
+
+
+VOLUME_HALF_LIFE_S = 300.0  # minutes of traffic: a rank's share of the work, not its queue now
+
+
+class ServedVolume:
+    """The prompt tokens each target was sent lately, decayed with a half-life of
+    ``half_life_s`` (minutes, where the load's own counts look seconds back). Cached tokens count:
+    a cached prompt still fills its rank's KV cache and is read at every decode step.
+
+    Queues and requests in flight say where a request starts soonest; they forget a rank's share
+    of the work as soon as its queue drains. On a fleet that is mostly idle between bursts (the
+    Mooncake trace: TTFT p50 35 ms) most requests find every queue empty and land by chance, and
+    each rank's share of the tokens drifts like a random walk with nothing pulling it back: in the
+    routing lab one rank of four ended with 1.18x the mean (docs/benchmarks.md). ``excess`` is
+    what the cost model pulls back with.
+
+    Several router processes (apps/routing/feeds/shared_index.py) each publish their own volume per
+    target with their load snapshots; ``set_peer`` keeps the latest of each process, decayed
+    from when it arrived, and a target's volume is its own plus its peers'. Without it, each
+    process would even out only its own share of the fleet's work."""
+
+    def __init__(self, half_life_s: float = VOLUME_HALF_LIFE_S, clock=time.monotonic):
+        self.half_life_s, self.clock = half_life_s, clock
+        self.tokens: dict[str, tuple[float, float]] = {}  # target key -> (tokens, as of)
+        # other router process -> target key -> (its tokens there, as of)
+        self.peers: dict[str, dict[str, tuple[float, float]]] = {}
+
+    def _now_value(self, key: str, now: float) -> float:
+        return self.own(key, now) + sum(
+            decayed(*peer[key], now, self.half_life_s)
+            for peer in self.peers.values()
+            if key in peer
+        )
+
+    def own(self, key: str, now: float | None = None) -> float:
+        """The tokens this process itself sent ``key`` lately (decayed): what it publishes."""
+        now = self.clock() if now is None else now
+        value, at = self.tokens.get(key, (0.0, now))
+        return decayed(value, at, now, self.half_life_s)
+
+    def set_peer(self, origin: str, volumes: dict[str, float]) -> None:
+        """Process ``origin``'s own volume per target, as it published it just now (replaces
+        what it published before)."""
+        now = self.clock()
+        self.peers[origin] = {key: (value, now) for key, value in volumes.items()}
+
+    def drop_peer(self, origin: str) -> None:
+        self.peers.pop(origin, None)
+
+    def add(self, key: str, tokens: int) -> None:
+        """``tokens`` prompt tokens were just routed to target ``key``."""
+        now = self.clock()
+        self.tokens[key] = (self._now_value(key, now) + tokens, now)
+
+    def excess(self, keys: list[str]) -> dict[str, float]:
+        """Each target's volume relative to the mean of ``keys`` (0: at the mean, -1: nothing
+        lately); all 0 while none of them was sent anything."""
+        now = self.clock()
+        values = {key: self._now_value(key, now) for key in keys}
+        mean = sum(values.values()) / len(values) if values else 0.0
+        if mean <= 0:
+            return dict.fromkeys(keys, 0.0)
+        return {key: value / mean - 1 for key, value in values.items()}
+
+    def forget(self, key: str) -> None:
+        self.tokens.pop(key, None)
+        for peer in self.peers.values():
+            peer.pop(key, None)

@@ -1,0 +1,101 @@
+"""Small ASGI helpers shared by the engine's front and the router's fast proxy path."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+
+JSON = b"application/json"
+SSE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
+
+
+class ClientGone(Exception):
+    """The client disconnected before its request body arrived."""
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+async def lifespan(receive, send) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
+async def read_body(receive, limit: int) -> bytes:
+    """The whole request body; ``BodyTooLarge`` past ``limit`` bytes, ``ClientGone`` on
+    disconnect."""
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone()
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(f"the request body is larger than {limit} bytes")
+        chunks.append(chunk)
+        if not message.get("more_body"):
+            return b"".join(chunks)
+
+
+async def until_disconnect(work, receive):
+    """Run ``work`` until it ends or the client disconnects; a disconnect cancels it (its own
+    cleanup then closes whatever it holds upstream). Re-raises what ``work`` raised."""
+    task = asyncio.ensure_future(work)
+
+    async def watch():
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    if task.done() and not task.cancelled():
+        return task.result()
+    return None
+
+
+async def send_body(
+    send, status: int, body: bytes, content_type: bytes = JSON, headers: list | None = None
+):
+    all_headers = [
+        (b"content-type", content_type),
+        (b"content-length", str(len(body)).encode()),
+    ] + (headers or [])
+    await send({"type": "http.response.start", "status": status, "headers": all_headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def send_json(send, status: int, payload: dict, headers: list | None = None):
+    await send_body(send, status, json.dumps(payload).encode(), JSON, headers)
+
+
+async def start_sse(send, headers: list | None = None):
+    await send(
+        {"type": "http.response.start", "status": 200, "headers": SSE_HEADERS + (headers or [])}
+    )
+
+
+async def send_chunk(send, data: bytes):
+    await send({"type": "http.response.body", "body": data, "more_body": True})
+
+
+async def end_body(send, data: bytes = b""):
+    await send({"type": "http.response.body", "body": data, "more_body": False})
