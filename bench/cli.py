@@ -29,6 +29,14 @@ DEFAULT_NUM_PROMPTS = 100
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """All flags; shared by ``python -m bench`` and ``manage.py bench``."""
+    _add_target_arguments(parser)
+    _add_run_arguments(parser)
+    _add_dataset_arguments(parser)
+    trace.add_arguments(parser)
+
+
+def _add_target_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where to send, and what the target serves (each discovered when not given)."""
     parser.add_argument(
         "--base-url",
         default="http://127.0.0.1:8000",
@@ -40,11 +48,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tokenizer",
         default=None,
-        help="tokenizer path (default: /server_info model_path when it exists here)",
+        help="tokenizer path (default: the model path of /server_info, or of a router's workers "
+        "on GET /workers, when it exists here)",
     )
     parser.add_argument(
         "--vocab-size", type=int, default=None, help="id range when no tokenizer is known"
     )
+
+
+def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """How many requests, how fast, and where the numbers go."""
     parser.add_argument(
         "--dataset-name", default="prefix_repetition", choices=DATASETS + TRACE_DATASETS
     )
@@ -95,6 +108,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "prefix cache over the token-id prompts, in send order); default: the target's "
         "/server_info block_size, else 16",
     )
+
+
+def _add_dataset_arguments(parser: argparse.ArgumentParser) -> None:
+    """Each synthetic workload's shape (vLLM's ``bench serve`` names)."""
     group = parser.add_argument_group("prefix_repetition")
     group.add_argument("--prefix-repetition-prefix-len", type=int, default=256)
     group.add_argument("--prefix-repetition-suffix-len", type=int, default=256)
@@ -109,7 +126,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--multi-turn-system-len", type=int, default=400)
     group.add_argument("--multi-turn-user-len", type=int, default=60)
     group.add_argument("--multi-turn-output-len", type=int, default=32)
-    trace.add_arguments(parser)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -121,26 +137,67 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # ----- the target ------------------------------------------------------------------------------
-def discover(base_url: str, api_key: str | None = None) -> dict:
-    """The target's /server_info (empty for servers without it) plus ``models`` from /v1/models."""
-    info: dict = {}
+def discover(base_url: str, api_key: str | None = None, model: str | None = None) -> dict:
+    """What the target says of itself: an engine's /server_info (empty for servers without it)
+    plus ``models`` from /v1/models. A router has no /server_info of its own; its workers' facts
+    (GET /workers) stand in, so ``bench`` against ``manage.py serve`` finds the tokenizer as it
+    does against the engine. ``model`` picks the workers (default: the first of ``models``)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     with httpx.Client(base_url=base_url.rstrip("/"), timeout=30, headers=headers) as client:
-        for path in ("/server_info", "/get_server_info"):
-            try:
-                r = client.get(path)
-            except httpx.HTTPError:
-                continue
-            if r.status_code == 200 and isinstance(r.json(), dict):
-                info = r.json()
-                break
+        info = _server_info(client)
+        models = _models(client)
+        if not info:
+            info = _fleet_info(client, model or (models or [None])[0])
+    return {**info, "models": models}
+
+
+def _server_info(client: httpx.Client) -> dict:
+    """/server_info, or SGLang's older /get_server_info; {} when neither answers a JSON object."""
+    for path in ("/server_info", "/get_server_info"):
         try:
-            r = client.get("/v1/models")
-            info["models"] = (
-                [m["id"] for m in r.json().get("data", [])] if r.status_code == 200 else []
-            )
+            r = client.get(path)
+            body = r.json() if r.status_code == 200 else None
         except (httpx.HTTPError, ValueError):
-            info["models"] = []
+            continue
+        if isinstance(body, dict):
+            return body
+    return {}
+
+
+def _models(client: httpx.Client) -> list[str]:
+    try:
+        r = client.get("/v1/models")
+        return [m["id"] for m in r.json().get("data", [])] if r.status_code == 200 else []
+    except (httpx.HTTPError, ValueError):
+        return []
+
+
+FLEET_FACTS = ("vocab_size", "block_size", "max_model_len")
+
+
+def _fleet_info(client: httpx.Client, model: str | None) -> dict:
+    """A router's knowledge of the workers serving ``model``, from GET /workers (each row holds
+    the worker's own /server_info and the registration's overrides): the tokenizer's path (an
+    override's ``tokenizer_path``, else the model's), vocabulary, block size and context, from a
+    healthy worker when there is one. ``dp_size`` only for a single worker: behind several, a
+    rank number names no one rank. {} when the target is no router of ours."""
+    try:
+        r = client.get("/workers")
+        rows = r.json().get("workers") if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return {}
+    known = [w for w in rows or [] if isinstance(w, dict) and w.get("server_info")]
+    serving = [w for w in known if w.get("model") == model] or known
+    healthy = [w for w in serving if w.get("health") == "healthy"] or serving
+    if not healthy:
+        return {}
+    server_info, overrides = healthy[0]["server_info"], healthy[0].get("overrides") or {}
+    info = {k: server_info[k] for k in FLEET_FACTS if server_info.get(k) is not None}
+    path = overrides.get("tokenizer_path") or server_info.get("model_path")
+    if path:
+        info["model_path"] = path
+    if len(serving) == 1:
+        info["dp_size"] = serving[0].get("dp_size") or server_info.get("dp_size")
     return info
 
 
@@ -262,7 +319,7 @@ def run(args) -> dict:
     # like vLLM's bench: the key comes from the environment
     api_key = os.environ.get("OPENAI_API_KEY") or None
     _check(args)
-    info = discover(args.base_url, api_key)
+    info = discover(args.base_url, api_key, args.model)
     tokenizer = load_tokenizer(args, info)
     replay = build_trace(args, info, tokenizer) if args.dataset_name in TRACE_DATASETS else None
     workload = replay.samples if replay else build_workload(args, info, tokenizer)

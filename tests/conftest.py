@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import procs
+from harness import procs
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 POSTGRES_SERVER_URL = os.environ.get("TEST_POSTGRES_URL", "postgres://postgres@127.0.0.1:5432")

@@ -11,13 +11,13 @@ import httpx
 import pytest
 from django.core.management import call_command
 
-from bench import datasets, engine_metrics
+from bench import cli, datasets, engine_metrics
 from bench.cli import build_parser, run
 from bench.client import RequestResult, send
 from bench.report import format_report
 from bench.runner import RunOptions, send_conversations, send_samples
 from bench.stats import balance, distribution_ms, per_rank, summarize
-from tests.support.procs import metrics, start_engine
+from harness.procs import metrics, start_engine
 
 
 @pytest.fixture(scope="module")
@@ -304,6 +304,45 @@ async def test_samples_are_paced_by_the_request_rate():
     starts = [r.start for r in run_.results]
     assert len(starts) == 6 and starts[-1] - starts[0] > 0.02  # 5 exponential gaps of mean 20 ms
     assert {r.meta["group"] for r in run_.results} == {0}
+
+
+# ----- what a router tells about its workers ------------------------------------------------------
+def _router(workers: list[dict] | None):
+    """A fake router: no /server_info, its /v1/models, and ``workers`` on GET /workers (None: no
+    workers API at all, as any other OpenAI server)."""
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "tiny"}, {"id": "other"}]})
+        if request.url.path == "/workers" and workers is not None:
+            return httpx.Response(200, json={"workers": workers})
+        return httpx.Response(404, json={"error": "not found"})
+
+    return httpx.Client(base_url="http://router", transport=httpx.MockTransport(answer))
+
+
+def _worker(model: str, health: str, path: str, dp_size: int = 2, overrides=None) -> dict:
+    info = {"model_path": path, "vocab_size": 4096, "block_size": 16, "max_model_len": 2048}
+    return {"model": model, "health": health, "dp_size": dp_size, "server_info": info,
+            "overrides": overrides or {}}  # fmt: skip
+
+
+def test_a_routers_workers_give_the_model_facts_bench_needs():
+    workers = [
+        _worker("other", "healthy", "/m/other"),
+        _worker("tiny", "unhealthy", "/m/down"),
+        _worker("tiny", "healthy", "/m/tiny", overrides={"tokenizer_path": "/tok/tiny"}),
+    ]
+    with _router(workers) as client:
+        assert cli._server_info(client) == {} and cli._models(client) == ["tiny", "other"]
+        info = cli._fleet_info(client, "tiny")
+    # the healthy worker of the model, its registration's tokenizer first; two workers: no dp_size
+    assert info == {"vocab_size": 4096, "block_size": 16, "max_model_len": 2048,
+                    "model_path": "/tok/tiny"}  # fmt: skip
+    with _router([_worker("tiny", "healthy", "/m/tiny")]) as client:
+        assert cli._fleet_info(client, "tiny")["dp_size"] == 2  # one worker: its ranks are ours
+    with _router(None) as client:
+        assert cli._fleet_info(client, "tiny") == {}
 
 
 # ----- against a real engine ---------------------------------------------------------------------

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench import routing_lab
 from bench.datasets import allowed_token_ids
+from bench.runs import routing_lab
 from bench.trace import build, read_trace
 from engine.tiny import ensure_tiny_model
 from engine.tokenizer import load_tokenizer

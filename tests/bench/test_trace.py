@@ -16,7 +16,7 @@ from bench.cli import build_parser, run
 from bench.oracle import oracle_cached, sample_oracle
 from bench.report import format_report
 from bench.runner import RunOptions, send_samples
-from tests.support.procs import REPO_ROOT, metrics, start_engine
+from harness.procs import REPO_ROOT, metrics, start_engine
 
 SHARED_TRACE = REPO_ROOT / "bench" / "traces" / "mooncake_synthetic_trace.jsonl"
 ALLOWED = datasets.allowed_token_ids(4096)

@@ -10,8 +10,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support import procs
-from tests.support.procs import ServerProcess, free_port, wait_for
+from harness import procs
+from harness.procs import ServerProcess, wait_for
 
 ADMIN_KEY = (
     "test-router-admin-key"  # start_router's routers take it for the workers API's mutations
@@ -29,24 +29,12 @@ LOAD_GAUGES = (
 def start_router(tmp: Path, worker_urls: list[str], name: str, *flags: str) -> ServerProcess:
     """``runrouter --dp-aware`` with its own SQLite database and ``ADMIN_KEY`` as its admin key;
     ready when it answers /metrics (its /health is 503 until some worker is up)."""
-    port = free_port()
-    cmd = [
-        sys.executable,
-        "manage.py",
-        "runrouter",
-        "--worker-urls",
-        *worker_urls,
-        "--dp-aware",
-        "--port",
-        str(port),
-        *flags,
-    ]
     env = {
         "DATABASE_URL": f"sqlite:///{tmp / (name + '.sqlite3')}",
         "CONTROL_PLANE_ADMIN_KEYS": ADMIN_KEY,
     }
-    return procs.start(
-        cmd, f"http://127.0.0.1:{port}", tmp / f"{name}.log", health="/metrics", timeout=60, env=env
+    return procs.start_router(
+        worker_urls, *flags, log_path=tmp / f"{name}.log", health="/metrics", timeout=60, env=env
     )
 
 

@@ -1,12 +1,12 @@
 """Router overhead: what a request pays for going through a router, with no model behind it.
 
-A zero-work stand-in upstream (tests/support/standin.py: fixed small JSON, instantly; dp_size 4)
+A zero-work stand-in upstream (harness/standin.py: fixed small JSON, instantly; dp_size 4)
 is measured directly, through our router (``runrouter --dp-aware``, cache_aware and round_robin)
 and through SGLang's router (``sglang-router launch --dp-aware --policy round_robin``), with ``wrk``
 sending non-streaming ``/v1/completions`` at a few connection counts. Reported: p50 / p99 latency
 and requests/s; goals: <= 1 ms added p50 over direct, >= 0.5x sglang-router's requests/s.
 
-    python bench/router_overhead.py [--duration 10] [--connections 1 32] [--json out.json]
+    python bench/runs/router_overhead.py [--duration 10] [--connections 1 32] [--json out.json]
         [--tokenizer-path DIR]  # also run our cache_aware router tokenizing every prompt (as it
                                 # does for our own engines; the stand-in alone gets text digests)
         [--profile DIR]         # record py-spy flame graphs of our router under the largest load
@@ -32,11 +32,11 @@ from pathlib import Path
 
 import httpx
 
-if __package__ in (None, ""):  # run as a script: python bench/router_overhead.py
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.procs import free_port, start  # noqa: E402
+if __package__ in (None, ""):  # run as a script: python bench/runs/router_overhead.py
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from harness.procs import REPO_ROOT as REPO
+from harness.procs import free_port, router_command, sglang_router_command, start  # noqa: E402  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
 MODEL = "standin"
 PROMPT = ("You are a helpful assistant. Summarise the following notes in two sentences. " * 13)[
     :1000
@@ -132,6 +132,18 @@ def check_once(url: str) -> None:
     assert r.json()["choices"], r.text
 
 
+def report(name: str, connections: int, r: dict) -> dict:
+    """Print one measurement's line and return it labelled."""
+    r.update(target=name, connections=connections)
+    print(
+        f"{name:28s} c={connections:<3d} p50 {r['p50_us'] / 1000:7.2f} ms  "
+        f"p99 {r['p99_us'] / 1000:7.2f} ms  "
+        f"{r['rps']:8.0f} req/s  errors {r['errors']} non-2xx {r['non_2xx']}",
+        flush=True,
+    )
+    return r
+
+
 def measure(
     name: str,
     url: str | list[str],
@@ -150,14 +162,7 @@ def measure(
             if c < len(urls):
                 continue
             r = wrk_many(urls, c, args.duration, script)
-            r.update(target=name, connections=c)
-            results.append(r)
-            print(
-                f"{name:28s} c={c:<3d} p50 {r['p50_us'] / 1000:7.2f} ms  "
-                f"p99 {r['p99_us'] / 1000:7.2f} ms  "
-                f"{r['rps']:8.0f} req/s  errors {r['errors']} non-2xx {r['non_2xx']}",
-                flush=True,
-            )
+            results.append(report(name, c, r))
             continue
         spy = None
         if profile_pid and c == max(args.connections):
@@ -182,14 +187,7 @@ def measure(
         r = wrk(url, c, args.duration, script)
         if spy:
             spy.wait(60)
-        r.update(target=name, connections=c)
-        results.append(r)
-        print(
-            f"{name:28s} c={c:<3d} p50 {r['p50_us'] / 1000:7.2f} ms  "
-            f"p99 {r['p99_us'] / 1000:7.2f} ms  "
-            f"{r['rps']:8.0f} req/s  errors {r['errors']} non-2xx {r['non_2xx']}",
-            flush=True,
-        )
+        results.append(report(name, c, r))
 
 
 def run(args) -> list[dict]:
@@ -203,7 +201,7 @@ def run(args) -> list[dict]:
     standin = [
         sys.executable,
         "-m",
-        "tests.support.standin",
+        "harness.standin",
         "--port",
         str(standin_port),
         "--dp-size",
@@ -215,71 +213,45 @@ def run(args) -> list[dict]:
         standin, standin_url + "/health", tmp / "standin.log", env={"PYTHONPATH": str(REPO)}
     ):
         measure("direct (stand-in)", standin_url, args, script, results)
-        for policy in args.policies:
-            port = free_port()
-            cmd = [
-                sys.executable,
-                "manage.py",
-                "runrouter",
-                "--worker-urls",
-                standin_url,
-                "--dp-aware",
-                "--policy",
-                policy,
-                "--port",
-                str(port),
-            ]
-            env = {"DATABASE_URL": f"sqlite:///{tmp / ('router-' + policy + '.sqlite3')}"}
-            url = f"http://127.0.0.1:{port}"
-            with server(cmd, url + "/health", tmp / f"router-{policy}.log", env=env) as proc:
-                pid = proc.pid if args.profile else None
-                measure(f"dpmesh router {policy}", url, args, script, results, profile_pid=pid)
-        if args.tokenizer_path:
-            port = free_port()
-            cmd = [
-                sys.executable,
-                "manage.py",
-                "runrouter",
-                "--worker-urls",
-                standin_url,
-                "--dp-aware",
-                "--policy",
-                "cache_aware",
-                "--port",
-                str(port),
-                "--tokenizer-path",
-                args.tokenizer_path,
-            ]
-            env = {"DATABASE_URL": f"sqlite:///{tmp / 'router-tokenizer.sqlite3'}"}
-            url = f"http://127.0.0.1:{port}"
-            with server(cmd, url + "/health", tmp / "router-tokenizer.log", env=env):
-                measure("dpmesh router cache_aware+tok", url, args, script, results)
+        measure_ours(args, standin_url, tmp, script, results)
         if args.processes > 1:
             measure_processes(args, standin_url, tmp, script, results)
-        exe = shutil.which("sglang-router", path=str(Path(sys.executable).parent)) or shutil.which(
-            "sglang-router"
-        )
-        for policy in args.sglang_policies if exe else []:
-            port = free_port()
-            cmd = [
-                exe,
-                "launch",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--worker-urls",
-                standin_url,
-                "--dp-aware",
-                "--policy",
-                policy,
-                "--log-level",
-                "warn",
-            ]
-            url = f"http://127.0.0.1:{port}"
-            with server(cmd, url + "/health", tmp / f"sglang-{policy}.log"):
-                measure(f"sglang-router {policy}", url, args, script, results)
+        measure_sglang(args, standin_url, tmp, script, results)
     return results
+
+
+def measure_ours(args, standin_url: str, tmp: Path, script: Path, results: list) -> None:
+    """One router process per policy, then (``--tokenizer-path``) cache_aware tokenizing."""
+    for policy in args.policies:
+        port = free_port()
+        cmd = router_command(standin_url, port=port, policy=policy)
+        env = {"DATABASE_URL": f"sqlite:///{tmp / ('router-' + policy + '.sqlite3')}"}
+        url = f"http://127.0.0.1:{port}"
+        with server(cmd, url + "/health", tmp / f"router-{policy}.log", env=env) as proc:
+            pid = proc.pid if args.profile else None
+            measure(f"dpmesh router {policy}", url, args, script, results, profile_pid=pid)
+    if args.tokenizer_path:
+        port = free_port()
+        cmd = router_command(
+            standin_url, "--tokenizer-path", args.tokenizer_path, port=port, policy="cache_aware"
+        )
+        env = {"DATABASE_URL": f"sqlite:///{tmp / 'router-tokenizer.sqlite3'}"}
+        url = f"http://127.0.0.1:{port}"
+        with server(cmd, url + "/health", tmp / "router-tokenizer.log", env=env):
+            measure("dpmesh router cache_aware+tok", url, args, script, results)
+
+
+def measure_sglang(args, standin_url: str, tmp: Path, script: Path, results: list) -> None:
+    """SGLang's router, one process per ``--sglang-policies`` policy (none when not installed)."""
+    exe = shutil.which("sglang-router", path=str(Path(sys.executable).parent)) or shutil.which(
+        "sglang-router"
+    )
+    for policy in args.sglang_policies if exe else []:
+        port = free_port()
+        cmd = sglang_router_command(standin_url, port=port, policy=policy, exe=exe)
+        url = f"http://127.0.0.1:{port}"
+        with server(cmd, url + "/health", tmp / f"sglang-{policy}.log"):
+            measure(f"sglang-router {policy}", url, args, script, results)
 
 
 def measure_processes(args, standin_url: str, tmp: Path, script: Path, results: list) -> None:
@@ -303,18 +275,7 @@ def measure_processes(args, standin_url: str, tmp: Path, script: Path, results: 
         urls = []
         for i in range(args.processes):
             port = free_port()
-            cmd = [
-                sys.executable,
-                "manage.py",
-                "runrouter",
-                "--worker-urls",
-                standin_url,
-                "--dp-aware",
-                "--policy",
-                "cache_aware",
-                "--port",
-                str(port),
-            ]
+            cmd = router_command(standin_url, port=port, policy="cache_aware")
             url = f"http://127.0.0.1:{port}"
             stack.enter_context(
                 server(cmd, url + "/health", tmp / f"router-process-{i}.log", env=env)

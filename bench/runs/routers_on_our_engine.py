@@ -9,7 +9,8 @@ Each router gets a fresh engine (cold caches) and runs two workloads:
 It prints hit rate, hits / oracle (bench/oracle.py), per-rank prompt-token max/mean from the
 engine's own /metrics, and TTFT p50/p99.
 
-    .venv/bin/python -m bench.compare_routers [--dp-size 4] [--output-len 16] [--json out.json]
+    .venv/bin/python -m bench.runs.routers_on_our_engine [--dp-size 4] [--output-len 16] \\
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -26,7 +26,7 @@ from bench import datasets, engine_metrics
 from bench.oracle import chat_prompts, oracle_cached
 from bench.runner import RunOptions, send_conversations, send_samples
 from bench.stats import balance, distribution_ms
-from tests.support.procs import free_port, start, start_engine
+from harness.procs import free_port, router_command, sglang_router_command, start, start_engine
 
 ROUTERS = [
     ("dpmesh", "cache_aware"),
@@ -40,34 +40,8 @@ def router_cmd(kind: str, policy: str, engine_url: str | list[str], port: int) -
     """The command line of a router on ``port`` in front of one engine URL or several."""
     urls = [engine_url] if isinstance(engine_url, str) else list(engine_url)
     if kind == "dpmesh":
-        return [
-            sys.executable,
-            "manage.py",
-            "runrouter",
-            "--worker-urls",
-            *urls,
-            "--dp-aware",
-            "--policy",
-            policy,
-            "--port",
-            str(port),
-        ]
-    exe = shutil.which("sglang-router", path=str(Path(sys.executable).parent))
-    return [
-        exe,
-        "launch",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--worker-urls",
-        *urls,
-        "--dp-aware",
-        "--policy",
-        policy,
-        "--log-level",
-        "warn",
-    ]
+        return router_command(urls, port=port, policy=policy)
+    return sglang_router_command(urls, port=port, policy=policy)
 
 
 def tokenizer():

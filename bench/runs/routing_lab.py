@@ -1,7 +1,7 @@
 """The routing lab: a trace replayed through the real ``Router`` onto simulated ranks, in virtual
 time, in one process. Minutes of a fleet's traffic take seconds, so routing policies can be
 compared and tuned; the numbers that count are measured over HTTP afterwards
-(``bench.compare_routers --simulate``: real processes, real time).
+(``bench.runs.routers_on_our_engine --simulate``: real processes, real time).
 
 Each rank is the simulated engine's own ``LLMEngine`` (its scheduler, block manager, prefix cache
 and step-time model: engine/sim/), stepped by a discrete-event loop instead of sleeping: a step
@@ -9,7 +9,7 @@ that starts at ``t`` delivers its tokens at ``t`` + its modeled time. The router
 ``runrouter`` serves with (policy, index, load, the ``Dispatch`` ends), its clocks the virtual
 one; first tokens and ends reach it when the engine produces them (the HTTP hop is not modeled).
 
-    .venv/bin/python -m bench.routing_lab \\
+    .venv/bin/python -m bench.runs.routing_lab \\
         --trace-path bench/traces/mooncake_synthetic_trace.jsonl --num-prompts 1500 \\
         --dp-size 4 --speedup 1 --num-kv-blocks 250000 --policy cache_aware sglang round_robin
 
@@ -93,10 +93,12 @@ def make_ranks(dp_size: int, profile: str, block_size: int, num_kv_blocks: int |
 def make_router(policy: str, dp_size: int, block_size: int, capacity: int, clock):
     """The real router, its fleet one simulated worker of ``dp_size`` ranks."""
     from apps.replicas.models import Worker
-    from apps.routing.index import PrefixDemand, ServedVolume
-    from apps.routing.load import RankLoad
-    from apps.routing.policies import POLICIES
-    from apps.routing.router import Router, RouterConfig
+    from apps.routing.decision.config import RouterConfig
+    from apps.routing.decision.demand import PrefixDemand, ServedVolume
+    from apps.routing.decision.load import RankLoad
+    from apps.routing.decision.policies import POLICIES
+    from apps.routing.decision.router import Router
+    from apps.routing.live import LiveFleet
     from engine.digests import SCHEME
     from engine.tiny import ensure_tiny_model
 
@@ -112,10 +114,95 @@ def make_router(policy: str, dp_size: int, block_size: int, capacity: int, clock
             "block_size": block_size, "prefix_digest": SCHEME,
             "num_kv_blocks_per_rank": capacity}  # fmt: skip
     worker = Worker(id=1, url="http://lab", dp_size=dp_size, model_id="tiny", server_info=info)
-    router.worker_saved(worker, {})
+    LiveFleet(router).worker_saved(worker, {})
     for target in router.fleet.all_targets():  # fresh loads on the virtual clock
         target.load = RankLoad(clock=clock)
     return router
+
+
+class Replay:
+    """One replay's moving parts: the ranks, the router, the virtual clock and the event heap
+    (time, order, kind, payload), in time order. ``order`` breaks ties and names requests, so a
+    replay is deterministic."""
+
+    def __init__(self, ranks: list[RankSim], router, clock: VirtualClock, concurrency, waiting):
+        self.ranks, self.router, self.clock = ranks, router, clock
+        self.concurrency = concurrency
+        self.waiting = waiting  # closed loop: the next to send is last
+        self.events: list = []
+        self.order = itertools.count()
+        self.in_flight = 0
+
+    def push(self, at: float, kind: str, payload) -> None:
+        heapq.heappush(self.events, (at, next(self.order), kind, payload))
+
+    def send(self, flight: Flight) -> None:
+        """Route ``flight`` now and hand it to its rank (which starts a step if idle)."""
+        from engine.sampling_params import SamplingParams
+
+        self.in_flight += 1
+        flight.arrival = self.clock.now
+        flight.dispatch = self.router.route({"prompt": flight.prompt}, False, None)
+        flight.rank = flight.dispatch.target.rank
+        rank = self.ranks[flight.rank]
+        rid = f"r{next(self.order)}"
+        rank.engine.add_request(
+            rid, flight.prompt, SamplingParams(max_tokens=flight.output_len, ignore_eos=True)
+        )
+        rank.flights[rid] = flight
+        if not rank.busy:
+            self.start_step(flight.rank)
+
+    def start_step(self, r: int) -> None:
+        """Run rank ``r``'s next step now; its outputs arrive after its modeled time."""
+        rank = self.ranks[r]
+        runner = rank.engine.runner
+        before = runner.modeled_s
+        outputs = rank.engine.step()
+        rank.busy = True
+        self.push(self.clock.now + runner.modeled_s - before, "step", (r, outputs))
+
+    def step_done(self, r: int, outputs) -> None:
+        """Deliver a step's outputs: first tokens and ends reach the router as they would."""
+        rank = self.ranks[r]
+        for out in outputs:
+            flight = rank.flights[out.request_id]
+            if flight.first_token is None and out.num_output_tokens:
+                flight.first_token = self.clock.now
+                flight.dispatch.first_token()
+            if out.finished:
+                flight.cached, flight.done = out.num_cached_tokens, True
+                usage = {"prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
+                flight.dispatch.finish(ok=True, usage=usage)
+                del rank.flights[out.request_id]
+                self.in_flight -= 1
+                if self.concurrency and self.waiting:
+                    self.send(self.waiting.pop())
+        rank.busy = False
+        if rank.engine.has_unfinished_requests():
+            self.start_step(r)
+
+    def drive(self) -> None:
+        """Handle events in time order until none is left."""
+        while self.events:
+            self.clock.now, _, kind, payload = heapq.heappop(self.events)
+            if kind == "arrive":
+                self.send(payload)
+            else:
+                self.step_done(*payload)
+
+
+def make_flights(samples, speedup: float | None) -> list[Flight]:
+    """A flight per sample, arriving on its timestamp over ``speedup`` (all at 0 without)."""
+    t0 = samples[0].timestamp_ms or 0.0
+    return [
+        Flight(
+            ((s.timestamp_ms or 0.0) - t0) / 1000.0 / speedup if speedup else 0.0,
+            [int(t) for t in s.prompt],
+            s.output_len,
+        )
+        for s in samples
+    ]
 
 
 def run(samples, *, policy: str, dp_size: int, speedup: float | None, concurrency: int | None,
@@ -124,83 +211,19 @@ def run(samples, *, policy: str, dp_size: int, speedup: float | None, concurrenc
         long_threshold: int | None = None) -> dict:  # fmt: skip
     """Replay ``samples`` (bench.datasets.SampleRequest with token-id prompts and, for
     ``speedup``, timestamps) and return the summary."""
-    from engine.sampling_params import SamplingParams
-
     clock = VirtualClock()
     ranks = make_ranks(dp_size, profile, block_size, num_kv_blocks, long_threshold)
     capacity = ranks[0].engine.block_manager.num_blocks
     router = make_router(policy, dp_size, block_size, capacity, clock)
-    events: list = []  # (time, order, kind, payload)
-    order = itertools.count()
-    t0 = samples[0].timestamp_ms or 0.0
-    flights = [
-        Flight(
-            ((s.timestamp_ms or 0.0) - t0) / 1000.0 / speedup if speedup else 0.0,
-            [int(t) for t in s.prompt],
-            s.output_len,
-        )
-        for s in samples
-    ]
-    waiting = list(reversed(flights))  # closed loop: the next to send
-    in_flight = 0
-
-    def send(flight: Flight) -> None:
-        nonlocal in_flight
-        in_flight += 1
-        flight.arrival = clock.now
-        flight.dispatch = router.route({"prompt": flight.prompt}, False, None)
-        flight.rank = flight.dispatch.target.rank
-        rank = ranks[flight.rank]
-        rid = f"r{next(order)}"
-        rank.engine.add_request(
-            rid, flight.prompt, SamplingParams(max_tokens=flight.output_len, ignore_eos=True)
-        )
-        rank.flights[rid] = flight
-        if not rank.busy:
-            start_step(flight.rank)
-
-    def start_step(r: int) -> None:
-        rank = ranks[r]
-        runner = rank.engine.runner
-        before = runner.modeled_s
-        outputs = rank.engine.step()
-        rank.busy = True
-        heapq.heappush(
-            events, (clock.now + runner.modeled_s - before, next(order), "step", (r, outputs))
-        )
-
-    def step_done(r: int, outputs) -> None:
-        nonlocal in_flight
-        rank = ranks[r]
-        for out in outputs:
-            flight = rank.flights[out.request_id]
-            if flight.first_token is None and out.num_output_tokens:
-                flight.first_token = clock.now
-                flight.dispatch.first_token()
-            if out.finished:
-                flight.cached, flight.done = out.num_cached_tokens, True
-                usage = {"prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
-                flight.dispatch.finish(ok=True, usage=usage)
-                del rank.flights[out.request_id]
-                in_flight -= 1
-                if concurrency and waiting:
-                    send(waiting.pop())
-        rank.busy = False
-        if rank.engine.has_unfinished_requests():
-            start_step(r)
-
+    flights = make_flights(samples, speedup)
+    replay = Replay(ranks, router, clock, concurrency, waiting=list(reversed(flights)))
     if concurrency and not speedup:
-        for _ in range(min(concurrency, len(waiting))):
-            send(waiting.pop())
+        for _ in range(min(concurrency, len(replay.waiting))):
+            replay.send(replay.waiting.pop())
     else:
         for flight in flights:
-            heapq.heappush(events, (flight.arrival, next(order), "arrive", flight))
-    while events:
-        clock.now, _, kind, payload = heapq.heappop(events)
-        if kind == "arrive":
-            send(payload)
-        else:
-            step_done(*payload)
+            replay.push(flight.arrival, "arrive", flight)
+    replay.drive()
     summary = summarize(flights, ranks, block_size, clock.now)
     if keep_flights:  # each request's arrival, rank, dispatch (what was predicted) and cached
         summary["flights"] = flights
@@ -255,20 +278,10 @@ class SGLangLike:
 LAB_POLICIES = {"sglang": SGLangLike}
 
 
-def main(argv: list[str] | None = None) -> int:
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
-    import django
-
-    django.setup()
-    import logging
-
-    logging.getLogger("engine").setLevel(logging.WARNING)  # the ranks' per-prefill lines
-    from bench.datasets import allowed_token_ids
-    from bench.trace import build, read_trace
-    from engine.tiny import ensure_tiny_model
-    from engine.tokenizer import load_tokenizer
-
-    parser = argparse.ArgumentParser(prog="bench.routing_lab", description=__doc__.split("\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="bench.runs.routing_lab", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--trace-path", required=True)
     parser.add_argument("--num-prompts", type=int, default=1500)
     parser.add_argument("--trace-block-tokens", type=int, default=512)
@@ -286,6 +299,23 @@ def main(argv: list[str] | None = None) -> int:
         help="the ranks' scheduler (engine.scheduler); default the profile's (GPU: 0, vLLM's)",
     )
     parser.add_argument("--svg", default=None, help="write a TTFT CDF per DP size here ({dp})")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
+    import django
+
+    django.setup()
+    import logging
+
+    logging.getLogger("engine").setLevel(logging.WARNING)  # the ranks' per-prefill lines
+    from bench.datasets import allowed_token_ids
+    from bench.trace import build, read_trace
+    from engine.tiny import ensure_tiny_model
+    from engine.tokenizer import load_tokenizer
+
+    parser = build_parser()
     args = parser.parse_args(argv)
     if not args.speedup and not args.max_concurrency:
         parser.error("give --speedup (open loop on the timestamps) or --max-concurrency")
@@ -331,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
         if args.svg:
-            from bench.compare_fleet import cdf_svg
+            from bench.runs.routers_at_fleet_scale import cdf_svg
 
             title = f"TTFT CDF, routing lab, {len(workload.samples)} Mooncake requests, DP {dp}"
             Path(args.svg.format(dp=dp)).write_text(cdf_svg(curves, title))

@@ -3,7 +3,7 @@
 Measures what the HTTP bench measures (TTFT, TPOT, ITL, throughput) without the HTTP front, the
 rank process and the IPC, so the difference is the serving overhead::
 
-    python -m bench.compare_inprocess --num-prompts 64 --random-input-len 128 \\
+    python -m bench.runs.serving_overhead --num-prompts 64 --random-input-len 128 \\
         --random-output-len 64 --max-concurrency 16
 
 The prompts are those of ``python -m bench --dataset-name random`` with the same flags and seed
@@ -25,7 +25,7 @@ from bench.stats import summarize
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="bench.compare_inprocess", description=__doc__.split("\n")[0]
+        prog="bench.runs.serving_overhead", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--num-prompts", type=int, default=64)

@@ -1,4 +1,5 @@
-"""In-process step microbenchmark: ``python -m bench.engine_step [--concurrency 16] [--dtype ...]``.
+"""In-process step microbenchmark:
+``python -m bench.runs.engine_step [--concurrency 16] [--dtype ...]``.
 
 Drives one ``LLMEngine`` (no HTTP, no rank process) with random token-id prompts, closed loop:
 whenever fewer than ``--concurrency`` requests are unfinished a new one is added before the next
@@ -27,7 +28,7 @@ VOCAB_LOW, VOCAB_HIGH = 8, 4000  # ordinary (non-special) tokens of the tiny mod
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="bench.engine_step", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="bench.runs.engine_step", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="tiny")
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--num-prompts", type=int, default=64)

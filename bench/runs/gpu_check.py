@@ -1,5 +1,5 @@
 """The engine on an accelerator, checked and measured in one short run (issue 13's GPU script):
-``python -m bench.gpu_check [--device cuda] [--json FILE]``. Never needed for tests or CI; a
+``python -m bench.runs.gpu_check [--device cuda] [--json FILE]``. Never needed for tests or CI; a
 session that is lent a GPU runs it (``scripts/gpu-check.sh`` wraps it with a time limit) and puts
 the numbers in docs/benchmarks.md. ``--device cpu`` runs the same steps here, smaller
 (``--quick``), to keep the script working.
@@ -9,7 +9,7 @@ the numbers in docs/benchmarks.md. ``--device cpu`` runs the same steps here, sm
    float32 token for token; bfloat16 within two bf16 spacings of transformers' top logit at
    every position (tests/engine/test_exactness_bf16.py says why that and not equality).
 2. Throughput: closed loop at 1, 16 and 64 concurrent requests (random 256 in / 64 out,
-   ``bench.engine_step``'s driver): output tok/s and the median pure-decode step.
+   ``bench.runs.engine_step``'s driver): output tok/s and the median pure-decode step.
 3. Cached-prefix TTFT: one request with a 2,048-token prefix cold, then another with the same
    prefix and a new 32-token suffix: time to its first token, both.
 4. The server: ``manage.py runengine --device DEVICE --dp-size N`` (rank r on device r) answers
@@ -86,7 +86,7 @@ def exactness(args, dtype: str) -> dict:
 
 
 def throughput(args, dtype: str) -> list[dict]:
-    from bench.engine_step import run
+    from bench.runs.engine_step import run
 
     rows = []
     engine = make_engine(args, dtype, max_num_seqs=max(args.concurrency))
@@ -132,7 +132,7 @@ def server(args) -> dict:
         return {"ok": None, "skipped": "daphne is not installed here (carry its wheels)"}
     import httpx
 
-    from bench.procs import free_port, start
+    from harness.procs import free_port, start
 
     port = free_port()
     cmd = [sys.executable, "manage.py", "runengine", "--port", str(port), "--device",
@@ -153,7 +153,7 @@ def server(args) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="bench.gpu_check", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="bench.runs.gpu_check", description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda")
     p.add_argument("--model", default="tiny")
     p.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])

@@ -7,7 +7,7 @@ Each target gets a fresh vLLM (cold caches). Workload: vLLM's prefix_repetition 
 prefixes (20 x 512 tokens, 64-token suffixes, 100 prompts, 16 output tokens), sent as text, at
 concurrency 1 and 8.
 
-    .venv/bin/python -m bench.compare_vllm [--vllm-router PATH] [--json out.json]
+    .venv/bin/python -m bench.runs.routers_behind_vllm [--vllm-router PATH] [--json out.json]
 
 Needs the vLLM venv (scripts/vllm-cpu-venv.sh) and, for the vllm-router rows, ``vllm-router``
 (``pip install vllm-router==0.1.17`` in a venv of its own; its path with ``--vllm-router``).
@@ -18,16 +18,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
 import tempfile
 from pathlib import Path
 
 from bench import datasets
-from bench.compare_routers import measure, row, tokenizer
 from bench.oracle import oracle_cached
-from bench.procs import free_port, start
-from bench.vllm import start_vllm, vllm_venv
+from bench.runs.routers_on_our_engine import measure, row, tokenizer
 from engine.tiny import ensure_tiny_model
+from harness.procs import free_port, router_command, start
+from harness.vllm import start_vllm, vllm_venv
 
 TARGETS = ["vllm-balancer", "dpmesh:cache_aware", "vllm-router:cache_aware", "vllm-router:kv_aware"]
 
@@ -35,8 +34,7 @@ TARGETS = ["vllm-balancer", "dpmesh:cache_aware", "vllm-router:cache_aware", "vl
 def router_cmd(spec: str, server, port: int, vllm_router: str) -> list[str] | None:
     kind, _, policy = spec.partition(":")
     if kind == "dpmesh":
-        return [sys.executable, "manage.py", "runrouter", "--worker-urls", server.url,
-                "--dp-aware", "--policy", policy, "--port", str(port)]  # fmt: skip
+        return router_command(server.url, port=port, policy=policy)
     if kind == "vllm-router":
         cmd = [vllm_router, "--worker-urls", server.url, "--intra-node-data-parallel-size",
                str(server.dp_size), "--policy", policy, "--host", "127.0.0.1",

@@ -1,6 +1,6 @@
 """What relaying a streamed answer costs a router: CPU per request and per SSE event.
 
-The stand-in upstream (tests/support/standin.py) answers every ``/v1/completions`` with
+The stand-in upstream (harness/standin.py) answers every ``/v1/completions`` with
 ``--tokens`` text events, ``--token-interval-s`` apart (as an engine's decode steps arrive: one
 event per read, nothing to batch); each router in turn (ours ``runrouter --dp-aware``, SGLang's
 ``sglang-router launch --dp-aware``, both cache_aware) relays ``--requests`` of them,
@@ -8,10 +8,12 @@ event per read, nothing to batch); each router in turn (ours ``runrouter --dp-aw
 each pass, divided by the requests, is its cost; the streamed minus the non-streamed cost,
 divided by the events, is what one event costs it::
 
-    .venv/bin/python -m bench.stream_relay [--tokens 200] [--requests 200] [--routers dpmesh sglang]
+    .venv/bin/python -m bench.runs.stream_relay [--tokens 200] [--requests 200] \\
+        [--routers dpmesh sglang]
 
-The trace runs (bench.compare_fleet) stream ~200 tokens a request: this is where most of our
-router's CPU a request goes there (docs/benchmarks.md, "What a streamed token costs the router").
+The trace runs (bench.runs.routers_at_fleet_scale) stream ~200 tokens a request: this is where
+most of our router's CPU a request goes there (docs/benchmarks.md, "What a streamed token costs
+the router").
 """
 
 from __future__ import annotations
@@ -25,9 +27,9 @@ from pathlib import Path
 
 import httpx
 
-from bench.compare_fleet import cpu_seconds
-from bench.compare_routers import router_cmd
-from bench.procs import free_port, start
+from bench.runs.routers_at_fleet_scale import cpu_seconds
+from bench.runs.routers_on_our_engine import router_cmd
+from harness.procs import free_port, start
 
 
 async def drive(url: str, requests: int, concurrency: int, tokens: int, stream: bool) -> None:
@@ -67,7 +69,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         port = free_port()
-        standin_cmd = [sys.executable, "-m", "tests.support.standin", "--port", str(port),
+        standin_cmd = [sys.executable, "-m", "harness.standin", "--port", str(port),
                        "--dp-size", "4", "--tokens", str(args.tokens),
                        "--token-interval-s", str(args.token_interval_s)]  # fmt: skip
         with start(standin_cmd, f"http://127.0.0.1:{port}", workdir / "standin.log") as standin:

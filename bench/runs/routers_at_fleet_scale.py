@@ -3,7 +3,7 @@ a trace replayed on its timestamps, over real HTTP and real processes. Ours (cac
 robin) and SGLang's router (``sglang-router launch --dp-aware``, its defaults and tighter balance
 thresholds), each with a fresh engine::
 
-    .venv/bin/python -m bench.compare_fleet \\
+    .venv/bin/python -m bench.runs.routers_at_fleet_scale \\
         --trace-path bench/traces/mooncake_synthetic_trace.jsonl --num-prompts 600 \\
         --dp-size 4 --speedup 4 --simulate-speedup 4 --num-kv-blocks 250000
 
@@ -42,13 +42,12 @@ import numpy as np
 import psutil
 
 from bench import engine_metrics
-from bench.compare_routers import router_cmd, row
 from bench.datasets import allowed_token_ids, word_token_ids
 from bench.oracle import floor_ttft, oracle_cached
-from bench.procs import free_port, start
 from bench.runner import RunOptions, send_samples
+from bench.runs.routers_on_our_engine import router_cmd, row
 from bench.trace import build, read_trace
-from tests.support.procs import start_engine
+from harness.procs import free_port, start, start_engine
 
 ROUTERS = {
     "dpmesh cache_aware": ("dpmesh", "cache_aware", []),
@@ -215,7 +214,7 @@ def cdf_svg(rows: list[dict], title: str) -> str:
     return "\n".join(parts)
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -245,11 +244,12 @@ def main(argv=None) -> int:
     parser.add_argument("--svg", default=None, help="write the TTFT CDF here")
     parser.add_argument("--json", default=None)
     parser.add_argument("--workdir", default=None, help="keep the engines' and routers' logs here")
-    args = parser.parse_args(argv)
-    from engine.tiny import ensure_tiny_model
-    from engine.tokenizer import load_tokenizer
+    return parser
 
-    tok = load_tokenizer(str(ensure_tiny_model()))
+
+def trace_samples(args, tok) -> tuple[list, list]:
+    """(what is sent, the same prompts as token ids): the trace's requests, as text unless
+    ``--prompt-format ids`` (sglang-router takes only text)."""
     records = read_trace(args.trace_path, args.num_prompts)
     text = args.prompt_format == "text"
     allowed = word_token_ids(tok) if text else allowed_token_ids(len(tok), tok)
@@ -259,34 +259,33 @@ def main(argv=None) -> int:
     samples = id_samples
     if text:
         samples = [replace(s, prompt=tok.decode(list(s.prompt))) for s in id_samples]
+    return samples, id_samples
+
+
+def floor_quantiles(args, id_samples) -> dict:
+    """The TTFT no router can beat: each request alone on a rank holding the oracle's cache."""
     from engine.sim.profiles import get_profile
 
     profile = get_profile(args.simulate)
-    floor = quantiles(
-        floor_ttft(
-            [list(s.prompt) for s in id_samples], profile.cost, profile.max_num_batched_tokens
-        )
-    )
-    print(f"dp {args.dp_size} {'floor (alone, the oracle cache)':<26} TTFT mean "
-          f"{floor['mean']:.3f} p50 {floor['p50']:.3f} p90 {floor['p90']:.3f} "
-          f"p99 {floor['p99']:.3f} s", flush=True)  # fmt: skip
-    rows = []
-    if args.workdir:
-        Path(args.workdir).mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() if not args.workdir else nullcontext(args.workdir) as tmp:
-        for name in args.routers:
-            rows.append(run_router(name, args, samples, Path(tmp), id_samples))
-            r = rows[-1]
-            t = r["ttft_s"]
-            print(f"dp {args.dp_size} {name:<26} ok {r['ok']} hit {r['hit_rate']:.3f} "
-                  f"vs-oracle {r['hits_vs_oracle']:.3f} max/mean {r['prompt_max_mean']:.2f} "
-                  f"TTFT mean {t['mean']:.3f} p50 {t['p50']:.3f} p90 {t['p90']:.3f} "
-                  f"p99 {t['p99']:.3f} s; CPU ms a request: router "
-                  f"{r['router_cpu_ms_per_request']:.1f} engine "
-                  f"{r['engine_cpu_ms_per_request']:.1f}"
-                  + (f"; router's own dispatch-to-first-token mean "
-                     f"{r['router_dispatch_ttft_mean_s']:.3f} s"
-                     if "router_dispatch_ttft_mean_s" in r else ""), flush=True)  # fmt: skip
+    prompts = [list(s.prompt) for s in id_samples]
+    return quantiles(floor_ttft(prompts, profile.cost, profile.max_num_batched_tokens))
+
+
+def print_row(args, name: str, r: dict) -> None:
+    t = r["ttft_s"]
+    print(f"dp {args.dp_size} {name:<26} ok {r['ok']} hit {r['hit_rate']:.3f} "
+          f"vs-oracle {r['hits_vs_oracle']:.3f} max/mean {r['prompt_max_mean']:.2f} "
+          f"TTFT mean {t['mean']:.3f} p50 {t['p50']:.3f} p90 {t['p90']:.3f} "
+          f"p99 {t['p99']:.3f} s; CPU ms a request: router "
+          f"{r['router_cpu_ms_per_request']:.1f} engine "
+          f"{r['engine_cpu_ms_per_request']:.1f}"
+          + (f"; router's own dispatch-to-first-token mean "
+             f"{r['router_dispatch_ttft_mean_s']:.3f} s"
+             if "router_dispatch_ttft_mean_s" in r else ""), flush=True)  # fmt: skip
+
+
+def write_outputs(args, rows: list[dict], floor: dict) -> None:
+    """The TTFT CDF (``--svg``) and every row with the floor beside it (``--json``)."""
     if args.svg:
         title = (f"TTFT CDF, {args.num_prompts} Mooncake requests, simulated {args.simulate} "
                  f"DP {args.dp_size}")  # fmt: skip
@@ -301,6 +300,27 @@ def main(argv=None) -> int:
                 indent=1,
             )  # fmt: skip
         )
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    from engine.tiny import ensure_tiny_model
+    from engine.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(str(ensure_tiny_model()))
+    samples, id_samples = trace_samples(args, tok)
+    floor = floor_quantiles(args, id_samples)
+    print(f"dp {args.dp_size} {'floor (alone, the oracle cache)':<26} TTFT mean "
+          f"{floor['mean']:.3f} p50 {floor['p50']:.3f} p90 {floor['p90']:.3f} "
+          f"p99 {floor['p99']:.3f} s", flush=True)  # fmt: skip
+    rows = []
+    if args.workdir:
+        Path(args.workdir).mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() if not args.workdir else nullcontext(args.workdir) as tmp:
+        for name in args.routers:
+            rows.append(run_router(name, args, samples, Path(tmp), id_samples))
+            print_row(args, name, rows[-1])
+    write_outputs(args, rows, floor)
     return 0
 
 

@@ -1,6 +1,6 @@
 """What one dashboard push costs: ``build_snapshot`` over a full chart window.
 
-    .venv/bin/python -m bench.dashboard_snapshot [--ranks 4] [--samples 300] [--repeats 20]
+    .venv/bin/python -m bench.runs.dashboard_push [--ranks 4] [--samples 300] [--repeats 20]
 
 Builds a throwaway SQLite database with one worker of ``--ranks`` ranks and ``--samples`` scrapes
 per rank (300 = the default 10-minute window at a 2 s scrape interval), then times the snapshot
@@ -34,7 +34,9 @@ def main(argv: list[str] | None = None) -> None:
     from django.utils import timezone
 
     from apps.replicas.models import Rank, RankSample, Worker
-    from apps.routing.router import Router, RouterConfig
+    from apps.routing.decision.config import RouterConfig
+    from apps.routing.decision.router import Router
+    from apps.routing.live import LiveFleet
     from apps.routing.selectors import build_snapshot
 
     call_command("migrate", verbosity=0)
@@ -43,7 +45,7 @@ def main(argv: list[str] | None = None) -> None:
         url="http://127.0.0.1:9", dp_size=args.ranks, server_info={"dp_size": args.ranks}
     )
     ids = {r: Rank.objects.create(worker=worker, rank=r).id for r in range(args.ranks)}
-    router.worker_saved(worker, ids)
+    LiveFleet(router).worker_saved(worker, ids)
     now = timezone.now()
     RankSample.objects.bulk_create(
         RankSample(
