@@ -18,7 +18,7 @@ from bench import datasets, engine_metrics, trace
 from bench.oracle import sample_oracle
 from bench.report import format_report, write_json
 from bench.runner import RunOptions, RunResult, send_conversations, send_samples
-from bench.stats import summarize
+from bench.summary import summarize
 
 logger = logging.getLogger("bench")
 

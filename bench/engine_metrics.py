@@ -12,7 +12,7 @@ from urllib.parse import urlsplit
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.stats import balance
+from bench.summary import balance
 
 # Counter samples read per rank, by their exposed sample name.
 SAMPLES = {

@@ -50,7 +50,7 @@ class Rank(models.Model):
     worker = models.ForeignKey(Worker, on_delete=models.CASCADE, related_name="ranks")
     rank = models.PositiveIntegerField(null=True, blank=True)
     circuit_state = models.CharField(max_length=16, default="closed")
-    # Counters persisted periodically from the router's memory (apps.routing.decision.stats).
+    # Counters persisted periodically from the router's memory (apps.routing.decision.router_stats).
     requests = models.BigIntegerField(default=0)
     prompt_tokens = models.BigIntegerField(default=0)
     cached_tokens = models.BigIntegerField(default=0, help_text="reported by the engine")

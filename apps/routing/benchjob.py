@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from bench import cli
-from bench.stats import summarize
+from bench.summary import summarize
 
 LIMITS = {"num_prompts": (1, 2000), "max_concurrency": (1, 64)}
 DEFAULTS = {"dataset": "prefix_repetition", "num_prompts": 50, "max_concurrency": 8}

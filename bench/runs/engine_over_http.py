@@ -153,7 +153,7 @@ class InProcessTarget:
         self.once(8, 8, 1000, "warmup")
 
     def once(self, num_prompts: int, conc: int, seed: int, tag: str) -> dict:
-        from bench.stats import summarize
+        from bench.summary import summarize
 
         self.args.num_prompts = num_prompts
         samples = serving_overhead.workload(self.args, self.engine.tokenizer, seed)

@@ -25,7 +25,7 @@ from pathlib import Path
 from bench import datasets, engine_metrics
 from bench.oracle import chat_prompts, oracle_cached
 from bench.runner import RunOptions, send_conversations, send_samples
-from bench.stats import balance, distribution_ms
+from bench.summary import balance, distribution_ms
 from harness.procs import free_port, router_command, sglang_router_command, start, start_engine
 
 ROUTERS = [

@@ -20,7 +20,7 @@ import time
 from bench import datasets
 from bench.client import RequestResult
 from bench.report import format_report, write_json
-from bench.stats import summarize
+from bench.summary import summarize
 
 
 def build_parser() -> argparse.ArgumentParser:

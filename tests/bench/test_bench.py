@@ -16,7 +16,7 @@ from bench.cli import build_parser, run
 from bench.client import RequestResult, send
 from bench.report import format_report
 from bench.runner import RunOptions, send_conversations, send_samples
-from bench.stats import balance, distribution_ms, per_rank, summarize
+from bench.summary import balance, distribution_ms, per_rank, summarize
 from harness.procs import metrics, start_engine
 
 

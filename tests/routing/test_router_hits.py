@@ -12,7 +12,7 @@ import pytest
 from bench import datasets
 from bench.oracle import chat_prompts, oracle_cached
 from bench.runner import RunOptions, send_conversations, send_samples
-from bench.stats import balance
+from bench.summary import balance
 from harness.procs import free_port, metrics, router_command, start, start_engine
 
 pytestmark = pytest.mark.slow

@@ -24,7 +24,7 @@ import time
 from apps.routing.decision.fleet import Target
 from apps.routing.decision.load import LoadTicket
 from apps.routing.decision.request_shape import RequestShape
-from apps.routing.decision.stats import RouterStats
+from apps.routing.decision.router_stats import RouterStats
 
 
 class DispatchObserver(abc.ABC):

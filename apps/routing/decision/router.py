@@ -21,8 +21,8 @@ from apps.routing.decision.fleet import Fleet, Target, WorkerView
 from apps.routing.decision.index import PrefixIndex
 from apps.routing.decision.policies import Policy, make_policy
 from apps.routing.decision.request_shape import RequestShape, shape_request
+from apps.routing.decision.router_stats import RouterStats
 from apps.routing.decision.sessions import SessionTable
-from apps.routing.decision.stats import RouterStats
 
 logger = logging.getLogger(__name__)
 
@@ -69,13 +69,13 @@ class Router:
         exclude: set[str] = frozenset(),
         rank: int | None = None,
         session: str | None = None,
-        ids: dict[str, list[int] | None] | None = None,
+        ids_by_path: dict[str, list[int] | None] | None = None,
     ) -> Dispatch:
         """Choose a target and commit: begin its load, insert the request's blocks into the index
         for it (the engine caches them as it prefills), tell the observers. The returned dispatch
         owns the request's end. ``rank``: only that DP rank of a worker (the client's pin);
         ``session``: the client's session id (apps/routing/decision/sessions.py), kept on its rank;
-        ``ids``: the prompt's token ids per tokenizer path, when already computed
+        ``ids_by_path``: the prompt's token ids per tokenizer path, when already computed
         (``tokenizer_paths`` and request_shape.tokenize_off_loop)."""
 
         def allowed(t: Target) -> bool:
@@ -89,7 +89,7 @@ class Router:
             raise NoTarget(
                 f"no available worker serves model {model!r}" if model else "no available worker"
             )
-        shapes, matched, shared = self._match(body, chat, candidates, ids)
+        shapes, matched, shared = self._match(body, chat, candidates, ids_by_path)
         primary = shapes[candidates[0].key]
         # how hot the shared prefix is (counting this request): the policy copies only a hot one
         prefix = primary.digests[shared - 1] if 0 < shared <= len(primary.digests) else None
@@ -146,7 +146,7 @@ class Router:
             return None
         return self.config.tokenizer_path or worker.tokenizer_path
 
-    def _match(self, body: dict, chat: bool, candidates: list[Target], ids=None):
+    def _match(self, body: dict, chat: bool, candidates: list[Target], ids_by_path=None):
         """The request's shape for each candidate (workers may differ in tokenizer or block size:
         each is matched in its own digests), the matches in units of the first candidate's blocks,
         and the shared-prefix depth in those units."""
@@ -156,7 +156,7 @@ class Router:
         shapes, matched, shared = {}, {}, 0
         unit = None
         for members in groups.values():
-            shape = self._shape(body, chat, members[0], ids)
+            shape = self._shape(body, chat, members[0], ids_by_path)
             unit = unit or shape.block_tokens
             for t in members:
                 shapes[t.key] = shape
@@ -167,14 +167,14 @@ class Router:
             )
         return shapes, matched, shared
 
-    def _shape(self, body: dict, chat: bool, target: Target, ids=None) -> RequestShape:
+    def _shape(self, body: dict, chat: bool, target: Target, ids_by_path=None) -> RequestShape:
         worker = target.worker
         return shape_request(
             body,
             chat,
             self.config.tokenizer_path or worker.tokenizer_path,
             worker.block_size or (16 if self.config.tokenizer_path else None),
-            ids,
+            ids_by_path,
         )
 
     # ----- who serves: views of the replicas' records, installed by apps/routing/live.py --------

@@ -17,7 +17,7 @@ from django.db import transaction
 from django.db.models import F
 
 from apps.replicas.models import Rank
-from apps.routing.decision.stats import PERSISTED_FIELDS, TargetStats
+from apps.routing.decision.router_stats import PERSISTED_FIELDS, TargetStats
 
 logger = logging.getLogger(__name__)
 

@@ -45,7 +45,7 @@ from collections import deque
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from apps.routing.decision.dispatch import DispatchObserver
-from apps.routing.decision.stats import Histogram
+from apps.routing.decision.router_stats import Histogram
 from apps.routing.metrics import PREFIX
 from apps.routing.proxy.saturation import fleet_saturated
 from controlplane.errors import error_bytes

@@ -94,11 +94,17 @@ async def proxy_request(
     tried: set[str] = set()
     last: ProxyError | None = None
     # a long text prompt is tokenized once, in worker threads, for every attempt
-    ids = await tokenize_off_loop(body, chat, lambda: router.tokenizer_paths(model))
+    ids_by_path = await tokenize_off_loop(body, chat, lambda: router.tokenizer_paths(model))
     for attempt in range(router.config.max_retries + 1):
         try:
             dispatch = router.route(
-                body, chat, model, exclude=tried, rank=rank, session=session, ids=ids
+                body,
+                chat,
+                model,
+                exclude=tried,
+                rank=rank,
+                session=session,
+                ids_by_path=ids_by_path,
             )
         except NoTarget as exc:
             error = last or ProxyError(503, str(exc), "server_error")
@@ -106,7 +112,7 @@ async def proxy_request(
             return
         tried.add(dispatch.target.key)
         last_try = attempt == router.config.max_retries
-        given = None if chat else wire.ids_for(router, dispatch.target, ids)
+        given = None if chat else wire.ids_for(router, dispatch.target, ids_by_path)
         retry = await _attempt(router, dispatch, body, path, send, last_try=last_try, ids=given)
         if retry is None:
             return

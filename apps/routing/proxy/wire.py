@@ -21,7 +21,7 @@ from controlplane import http
 from serving.openai_fields import PRETOKENIZED
 
 
-def ids_for(router: Router, target, ids: dict) -> list[int] | None:
+def ids_for(router: Router, target, ids_by_path: dict) -> list[int] | None:
     """A completion prompt's token ids to send beside it (serving/openai_fields.py
     ``PRETOKENIZED``), so the engine need not tokenize it again: only to our own engine, and only
     ids made with its own tokenizer files (not a ``--tokenizer-path`` of the router's). Not for
@@ -31,11 +31,11 @@ def ids_for(router: Router, target, ids: dict) -> list[int] | None:
     mismatch in a completion's plain encoding is not expected (the same tokenizer.json)."""
     worker = target.worker
     own = worker.own_tokenizer_path
-    if not ids or worker.flavour != "dpmesh" or not own:
+    if not ids_by_path or worker.flavour != "dpmesh" or not own:
         return None
     if router.tokenizer_path_of(target) != own:  # the router's --tokenizer-path made them
         return None
-    return ids.get(own)
+    return ids_by_path.get(own)
 
 
 def upstream_payload(
