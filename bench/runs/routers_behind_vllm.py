@@ -4,8 +4,10 @@ own DP balancer): hit rate and hits / what the block rules allow, per-rank promp
 (vLLM's own counters), TTFT.
 
 Each target gets a fresh vLLM (cold caches). Workload: vLLM's prefix_repetition shape with many
-prefixes (20 x 512 tokens, 64-token suffixes, 100 prompts, 16 output tokens), sent as text, at
-concurrency 1 and 8.
+prefixes (default 20 x 512 tokens, 64-token suffixes, 100 prompts, 16 output tokens; flags change
+each), sent as text, at each ``--concurrency`` (1 and 8). ``--rounds N`` takes the targets in
+turn N times (interleaved), each round with prefixes of its own; reported per row: hits against
+the block-rule oracle, balance, TTFT p50 / mean / p99 and the run's total time.
 
     .venv/bin/python -m bench.runs.routers_behind_vllm [--vllm-router PATH] [--json out.json]
 
@@ -24,6 +26,7 @@ from pathlib import Path
 from bench import datasets
 from bench.oracle import oracle_cached
 from bench.runs.routers_on_our_engine import measure, row, tokenizer
+from bench.summary import distribution_ms
 from engine.tiny import ensure_tiny_model
 from harness.procs import free_port, router_command, start
 from harness.vllm import start_vllm, vllm_venv
@@ -47,38 +50,46 @@ def router_cmd(spec: str, server, port: int, vllm_router: str) -> list[str] | No
     return None  # vLLM's own balancer: no router
 
 
-def run_target(spec: str, args, tok, venv: Path, workdir: Path) -> list[dict]:
+def run_target(spec: str, args, tok, venv: Path, workdir: Path, round_: int) -> list[dict]:
+    """One target on a fresh vLLM (cold caches): the workload at each concurrency, each with
+    prefixes of its own (a seed per round and concurrency)."""
     out = []
     with start_vllm(venv, ensure_tiny_model(), workdir, dp_size=2, block_size=32) as server:
         port = free_port()
         cmd = router_cmd(spec, server, port, args.vllm_router)
-        env = {"DATABASE_URL": f"sqlite:///{workdir}/{spec.replace(':', '-')}.sqlite3"}
+        env = {"DATABASE_URL": f"sqlite:///{workdir}/{spec.replace(':', '-')}-{round_}.sqlite3"}
         router = None
         if cmd is not None:
-            health = "/health"
-            router = start(cmd, f"http://127.0.0.1:{port}", workdir / f"{spec}.log", health=health,
-                           env=env, timeout=120)  # fmt: skip
+            router = start(cmd, f"http://127.0.0.1:{port}", workdir / f"{spec}-{round_}.log",
+                           health="/health", env=env, timeout=120)  # fmt: skip
         try:
             base = router.url if router else server.url
-            allowed = datasets.allowed_token_ids(len(tok), tok)
-            for concurrency, seed in ((1, args.seed), (8, args.seed + 1)):
-                samples = datasets.prefix_repetition(
-                    num_prompts=100, prefix_len=512, suffix_len=64, num_prefixes=20,
-                    output_len=16, seed=seed, allowed=allowed, tokenizer=tok, as_text=True,
-                )  # fmt: skip
-                results, _, diff = asyncio.run(measure(server.url, base, samples, concurrency))
-                prompts = [tok.encode(s.prompt, add_special_tokens=False) for s in samples]
-                oracle = sum(oracle_cached(prompts, block_size=32))
-                out.append({"concurrency": concurrency, **row(spec, results, oracle, diff, 2)})
+            for i, concurrency in enumerate(args.concurrency):
+                out.append(run_workload(spec, args, tok, server, base, concurrency, round_, i))
         finally:
             if router:
                 router.stop()
-    for r in out:
-        print(f"c={r['concurrency']} {r['router']:<24} ok {r['ok']} hit {r['hit_rate']:.3f} "
-              f"vs-allowed {r['hits_vs_oracle']:.3f} max/mean {r['prompt_max_mean']:.2f} "
-              f"TTFT p50 {r['ttft_p50_ms']:.0f} ms p99 {r['ttft_p99_ms']:.0f} ms",
-              flush=True)  # fmt: skip
     return out
+
+
+def run_workload(spec, args, tok, server, base: str, concurrency: int, round_: int, i: int):
+    allowed = datasets.allowed_token_ids(len(tok), tok)
+    samples = datasets.prefix_repetition(
+        num_prompts=args.num_prompts, prefix_len=args.prefix_len, suffix_len=args.suffix_len,
+        num_prefixes=args.num_prefixes, output_len=args.output_len,
+        seed=args.seed + 100 * round_ + i, allowed=allowed, tokenizer=tok, as_text=True,
+    )  # fmt: skip
+    results, duration_s, diff = asyncio.run(measure(server.url, base, samples, concurrency))
+    prompts = [tok.encode(s.prompt, add_special_tokens=False) for s in samples]
+    oracle = sum(oracle_cached(prompts, block_size=32))
+    r = {"round": round_, "concurrency": concurrency, **row(spec, results, oracle, diff, 2)}
+    r["ttft_mean_ms"] = distribution_ms(x.ttft for x in results if x.ok)["mean"]
+    r["total_s"] = duration_s
+    print(f"round {round_} c={concurrency} {spec:<24} ok {r['ok']} hit {r['hit_rate']:.3f} "
+          f"vs-allowed {r['hits_vs_oracle']:.3f} max/mean {r['prompt_max_mean']:.2f} "
+          f"TTFT p50 {r['ttft_p50_ms']:.0f} mean {r['ttft_mean_ms']:.0f} "
+          f"p99 {r['ttft_p99_ms']:.0f} ms total {duration_s:.1f} s", flush=True)  # fmt: skip
+    return r
 
 
 def main(argv=None) -> int:
@@ -88,6 +99,13 @@ def main(argv=None) -> int:
     parser.add_argument("--targets", nargs="*", default=TARGETS)
     parser.add_argument("--vllm-router", default="vllm-router", help="the vllm-router executable")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=1, help="the targets in turn, this often")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--num-prompts", type=int, default=100)
+    parser.add_argument("--num-prefixes", type=int, default=20)
+    parser.add_argument("--prefix-len", type=int, default=512, help="tokens")
+    parser.add_argument("--suffix-len", type=int, default=64, help="tokens")
+    parser.add_argument("--output-len", type=int, default=16)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     venv = vllm_venv(build=True)
@@ -96,14 +114,16 @@ def main(argv=None) -> int:
     tok = tokenizer()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for spec in args.targets:
-            rows += run_target(spec, args, tok, venv, Path(tmp))
-    print("\n| concurrency | target | hit rate | hits / allowed | prompt tokens max/mean "
-          "| TTFT p50 ms | TTFT p99 ms |\n|---:|---|---:|---:|---:|---:|---:|")  # fmt: skip
+        for round_ in range(args.rounds):
+            for spec in args.targets:
+                rows += run_target(spec, args, tok, venv, Path(tmp), round_)
+    print("\n| round | concurrency | target | hits / allowed | prompt tokens max/mean "
+          "| TTFT p50 ms | TTFT mean ms | TTFT p99 ms | total s |\n"
+          "|---:|---:|---|---:|---:|---:|---:|---:|---:|")  # fmt: skip
     for r in rows:
-        print(f"| {r['concurrency']} | {r['router']} | {r['hit_rate']:.3f} | "
-              f"{r['hits_vs_oracle']:.3f} | {r['prompt_max_mean']:.2f} | "
-              f"{r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} |")  # fmt: skip
+        print(f"| {r['round']} | {r['concurrency']} | {r['router']} | {r['hits_vs_oracle']:.3f} | "
+              f"{r['prompt_max_mean']:.2f} | {r['ttft_p50_ms']:.0f} | {r['ttft_mean_ms']:.0f} | "
+              f"{r['ttft_p99_ms']:.0f} | {r['total_s']:.1f} |")  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0

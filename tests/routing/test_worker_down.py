@@ -19,7 +19,7 @@ from apps.replicas.models import Worker
 from apps.replicas.services import worker_add
 from apps.routing.decision.config import RouterConfig
 from apps.routing.decision.router import Router
-from apps.routing.feeds.health import check_worker
+from apps.routing.feeds.health import check_worker, discover_pending
 from apps.routing.live import LiveFleet
 from apps.routing.process import RouterProcess
 from controlplane import http
@@ -147,3 +147,18 @@ async def test_restored_workers_are_probed_before_the_fleet_serves(router, clien
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await process.stop()
+
+
+async def test_a_worker_recorded_before_it_was_up_is_discovered_by_the_health_loop(
+    router, standins
+):
+    """``serve`` names its engine before the engine answers: the health loop discovers it and
+    installs its ranks in this process's fleet itself, without waiting for a database sync."""
+    engine = standins(2)
+    worker = await Worker.objects.acreate(url=engine.url, dp_size=1, dp_aware=True)
+    assert router.fleet.workers == {}
+    await discover_pending(router)
+    assert [t.key for t in router.fleet.targets[worker.id]] == [
+        f"{engine.url}@0",
+        f"{engine.url}@1",
+    ]

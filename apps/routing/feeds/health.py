@@ -153,7 +153,10 @@ async def discover_pending(router: Router) -> None:
     async for worker in Worker.objects.filter(server_info={}):
         try:
             await worker_add(
-                url=worker.url, api_key=worker.api_key, dp_aware=worker.dp_aware, runtime=router
+                url=worker.url,
+                api_key=worker.api_key,
+                dp_aware=worker.dp_aware,
+                runtime=LiveFleet(router),
             )
         except Exception as exc:  # still not up: try again next round
             logger.debug("worker %s still not discoverable: %s", worker.url, exc)
