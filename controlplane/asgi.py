@@ -1,9 +1,10 @@
 """ASGI entry point: the OpenAI proxy paths straight to the router, the rest of HTTP through
 Django, websockets through Channels.
 
-``build_application(router)`` is what a router process serves (apps/routing/process.py builds its
-router once and hands it here). Django views and Channels consumers find that router in their
-scope under ``apps.replicas.runtime.SCOPE_KEY``; the OpenAI endpoint holds it itself.
+``build_application(router, admission)`` is what a router process serves (apps/routing/process.py
+builds both once and hands them here). Django views and Channels consumers find them in their
+scope under ``apps.replicas.runtime.SCOPE_KEY``, in the process's ``LiveFleet``; the OpenAI
+endpoint holds them itself.
 
 ``application`` (``ASGI_APPLICATION``, ``daphne controlplane.asgi:application``) is built on first
 use with a router from the settings alone: no workers restored, no background loops. Serve a
@@ -53,8 +54,9 @@ def build_application(router, admission=None, django_http=django_asgi_app):
 def __getattr__(name):
     if name == "application":
         from apps.routing.decision.router import Router
+        from apps.routing.flags import config_from_settings
 
-        app = build_application(Router())
+        app = build_application(Router(config_from_settings()))
         globals()["application"] = app
         return app
     raise AttributeError(name)

@@ -2,9 +2,9 @@
 the routing app (the one arrow between the apps points from routing to replicas).
 
 The services of this app write the durable record (``Worker``, ``Rank``); when they run inside a
-router process they also tell its live fleet, through a ``FleetRuntime``
-(``apps.routing.decision.router .Router`` implements it). Without one (a Celery worker, a shell),
-they only write the database, and every router process applies the change when it next syncs from it
+router process they also tell its live fleet, through a ``FleetRuntime`` (the process's
+``apps.routing.live.LiveFleet`` implements it). Without one (a Celery worker, a shell), they only
+write the database, and every router process applies the change when it next syncs from it
 (within seconds).
 
 The router process hands its runtime to each request: ``controlplane.asgi`` puts it in the ASGI
