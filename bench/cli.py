@@ -20,7 +20,7 @@ from bench.report import format_report, write_json
 from bench.runner import RunOptions, RunResult, send_conversations, send_samples
 from bench.summary import summarize
 
-logger = logging.getLogger("bench")
+logger = logging.getLogger(__name__)
 
 DATASETS = ("prefix_repetition", "random", "multi_turn")  # synthetic (the dashboard offers these)
 TRACE_DATASETS = ("mooncake_trace",)  # replayed from --trace-path (bench/trace.py)
