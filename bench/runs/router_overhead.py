@@ -67,18 +67,14 @@ def server(cmd: list[str], ready_url: str, log: Path, env: dict | None = None):
         yield process.proc
 
 
+def wrk_command(url: str, connections: int, duration: int, script: Path) -> list[str]:
+    """One wrk thread, ``connections`` connections, non-streamed completions from ``script``."""
+    return ["wrk", "-t1", f"-c{connections}", f"-d{duration}s", "--timeout", "10s",
+            "-s", str(script), url + "/v1/completions"]  # fmt: skip
+
+
 def wrk(url: str, connections: int, duration: int, script: Path) -> dict:
-    cmd = [
-        "wrk",
-        "-t1",
-        f"-c{connections}",
-        f"-d{duration}s",
-        "--timeout",
-        "10s",
-        "-s",
-        str(script),
-        url + "/v1/completions",
-    ]
+    cmd = wrk_command(url, connections, duration, script)
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     line = next(ln for ln in out.splitlines() if ln.startswith("WRK_JSON "))
     result = json.loads(line.removeprefix("WRK_JSON "))
@@ -94,18 +90,7 @@ def wrk_many(urls: list[str], connections: int, duration: int, script: Path) -> 
         for i in range(len(urls))
     ]
     cmds = [
-        [
-            "wrk",
-            "-t1",
-            f"-c{max(1, c)}",
-            f"-d{duration}s",
-            "--timeout",
-            "10s",
-            "-s",
-            str(script),
-            url + "/v1/completions",
-        ]
-        for url, c in zip(urls, share, strict=True)
+        wrk_command(url, max(1, c), duration, script) for url, c in zip(urls, share, strict=True)
     ]
     procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) for cmd in cmds]
     runs = []
