@@ -5,7 +5,7 @@ The replicas' services write the durable record (``Worker``, ``Rank``) and tell 
 hands that to the router's decision state. The process builds one ``LiveFleet`` with its router
 and admission control (apps/routing/process.py) and puts it in every Django request's and
 websocket's scope (controlplane/asgi.py), where the views find both (``router_of``,
-``admission_of``) instead of looking them up.
+``live_of``) instead of looking them up.
 """
 
 from __future__ import annotations
@@ -73,7 +73,3 @@ def live_of(request_or_scope) -> LiveFleet:
 
 def router_of(request_or_scope) -> Router:
     return live_of(request_or_scope).router
-
-
-def admission_of(request_or_scope):
-    return live_of(request_or_scope).admission
