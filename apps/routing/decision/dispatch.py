@@ -25,6 +25,7 @@ from apps.routing.decision.fleet import Target
 from apps.routing.decision.load import LoadTicket
 from apps.routing.decision.request_shape import RequestShape
 from apps.routing.decision.router_stats import RouterStats
+from apps.routing.decision.timing import TimingSample
 
 
 class DispatchObserver(abc.ABC):
@@ -54,7 +55,7 @@ class Dispatch:
     """A request sent to ``target``: what the index predicted, its load ticket, its timing."""
 
     __slots__ = ("target", "shape", "predicted_tokens", "ticket", "trial", "started", "_stats",
-                 "_observers")  # fmt: skip
+                 "_observers", "_timing")  # fmt: skip
 
     def __init__(
         self,
@@ -66,12 +67,14 @@ class Dispatch:
         trial: bool,
         stats: RouterStats,
         observers: list[DispatchObserver],
+        timing: TimingSample | None = None,
     ):
         self.target, self.shape, self.predicted_tokens = target, shape, predicted_tokens
         self.ticket = ticket
         self.trial = trial  # the half-open circuit's one trial request
         self.started = time.perf_counter()
         self._stats, self._observers = stats, observers
+        self._timing = timing  # the router's time model learns from this request's first token
 
     @property
     def prefill_tokens(self) -> int:
@@ -90,6 +93,8 @@ class Dispatch:
         self._tell_prefilled()
         seconds = time.perf_counter() - self.started
         self._stats.ttft.observe(seconds)
+        if self._timing is not None:
+            self._timing.observe(seconds)
         for observer in self._observers:
             observer.first_token(self.target.key, seconds)
 

@@ -23,6 +23,7 @@ from apps.routing.decision.policies import Policy, make_policy
 from apps.routing.decision.request_shape import RequestShape, shape_request
 from apps.routing.decision.router_stats import RouterStats
 from apps.routing.decision.sessions import SessionTable
+from apps.routing.decision.timing import Timing
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,7 @@ class Router:
         self.volume = ServedVolume()  # each target's prompt tokens of the last minutes
         self.sessions = SessionTable(ttl_s=self.config.session_ttl_s)
         self.stats = RouterStats()
+        self.timing = Timing()  # what a first token costs in time, per worker, as observed
         self.policy: Policy = self._make_policy(self.config.policy)
         # told of every decision and prefill end (apps/routing/feeds/shared_index.py, kv_events.py)
         self.observers: list[DispatchObserver] = []
@@ -96,6 +98,13 @@ class Router:
         self.demand.add(prefix)
         primary.prefix_share = self.demand.share(prefix) if prefix is not None else None
         primary.volume_excess = self.volume.excess([t.key for t in candidates])
+        primary.move_tokens = self.timing.move_tokens(candidates)
+        # the rank used last keeps the idle fleet's ties while the request fits in its cache
+        primary.warm = {
+            k
+            for k in self.timing.warm_keys(candidates)
+            if self.index.room(k) >= len(primary.digests)
+        }
         home = self.sessions.home(session, candidates) if session else None
         target = home or self.policy.choose(candidates, primary, matched, shared)
         if session:
@@ -114,6 +123,9 @@ class Router:
         # second turn, and placing them by in-flight requests alone lets the rank that answers
         # fastest collect more conversations than the others.
         continues = matched.get(target.key, 0) > shared
+        sample = self.timing.dispatched(
+            target, shape.prompt_tokens - predicted + target.load.queued_prefill_tokens
+        )
         ticket = target.load.begin(
             shape.prompt_tokens, shape.prompt_tokens - predicted, continues or chat
         )
@@ -130,6 +142,7 @@ class Router:
             trial=target.breaker.dispatched(),
             stats=self.stats,
             observers=self.observers,
+            timing=sample,
         )
 
     def tokenizer_paths(self, model: str | None) -> set[str]:
@@ -205,6 +218,7 @@ class Router:
         for target in self.fleet.targets.get(worker_id, []):
             self.index.remove_rank(target.key)
             self.volume.forget(target.key)
+        self.timing.forget(worker_id)
         self.fleet.remove(worker_id)
 
     def set_draining(self, worker_id: int, draining: bool) -> None:
@@ -230,4 +244,9 @@ class Router:
             }
             for t in self.fleet.targets.get(worker_id, [])
         ]
-        return {"health": "healthy" if view.healthy else "unhealthy", "targets": targets}
+        timing = self.timing.workers.get(worker_id)
+        return {
+            "health": "healthy" if view.healthy else "unhealthy",
+            "targets": targets,
+            "timing": timing.fit.as_dict() if timing else None,
+        }

@@ -1,0 +1,207 @@
+"""What a request's first token costs in time on each worker, learned from what the router sees.
+
+The policy counts prefill tokens; users buy time to first token. Per worker, the router fits
+
+    TTFT = base + per_token x wait tokens + move x moved
+
+over the requests it dispatched there (each at its first token), by least squares with old
+samples fading (``WINDOW``):
+
+- ``wait tokens``: what the policy expected the request to wait for on its target: its uncached
+  prompt tokens plus the prefill already queued there (``RankLoad.queued_prefill_tokens``);
+- ``moved``: 1 when the request went to a rank of the worker that was idle (nothing in flight
+  there) while another rank of the same worker had been sent work more recently, else 0. Ranks of
+  one engine share a host: on some (an engine whose idle ranks spin down, or busy-poll the cores
+  the others need) waking a rank that sat idle costs time the prompt's size does not explain;
+  on others (the simulated engine, GPUs with their graphs ready) it costs nothing;
+- ``per_token``: seconds per prompt token waited for, so ``move`` converts to the policy's unit.
+
+``move`` counts for routing only once it is significant (estimate > ``SIGNIFICANCE`` standard
+errors, with at least ``MIN_SAMPLES`` requests of each kind): the policy then adds
+``move / per_token`` tokens to an idle rank of the worker that was not the last one used
+(``Timing.move_tokens``), up to ``MOVE_CAP_TOKENS``. Where moving costs nothing the term
+stays 0 and routing is unchanged.
+
+Pure: no I/O, no clock of its own (the dispatch measures the TTFT and calls ``observe``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+WINDOW = 256  # samples: each one's weight halves after about WINDOW x ln 2 newer ones
+MIN_SAMPLES = 6.0  # of each kind (moved, stayed), as faded counts
+SIGNIFICANCE = 2.0  # standard errors
+PER_TOKEN_FLOOR_S = 1e-6  # a fit that finds waiting free is noise: a microsecond a token at least
+MOVE_CAP_TOKENS = 8192.0
+# wait tokens enter the fit in thousands, so the normal equations stay well conditioned
+TOKEN_SCALE = 1000.0
+
+
+@dataclass(frozen=True)
+class TimingFit:
+    """One worker's fitted figures (seconds), and how much evidence is behind them."""
+
+    base_s: float
+    per_token_s: float
+    move_s: float
+    move_se_s: float  # its standard error (inf: not enough samples)
+    moved: float  # faded counts of samples of each kind
+    stayed: float
+
+    @property
+    def move_significant(self) -> bool:
+        return (
+            self.moved >= MIN_SAMPLES
+            and self.stayed >= MIN_SAMPLES
+            and self.move_s > SIGNIFICANCE * self.move_se_s
+        )
+
+    @property
+    def move_tokens(self) -> float:
+        """What a move costs in the policy's unit (0 unless significant)."""
+        if not self.move_significant:
+            return 0.0
+        return min(MOVE_CAP_TOKENS, self.move_s / max(self.per_token_s, PER_TOKEN_FLOOR_S))
+
+    def as_dict(self) -> dict:
+        se = self.move_se_s
+        return {
+            "base_ms": round(1000 * self.base_s, 2),
+            "per_token_us": round(1e6 * self.per_token_s, 3),
+            "move_ms": round(1000 * self.move_s, 2),
+            "move_se_ms": round(1000 * se, 2) if math.isfinite(se) else None,
+            "moved_samples": round(self.moved, 1),
+            "stayed_samples": round(self.stayed, 1),
+            "move_tokens": round(self.move_tokens, 1),
+        }
+
+
+NO_FIT = TimingFit(0.0, 0.0, 0.0, math.inf, 0.0, 0.0)
+
+
+class WorkerTiming:
+    """The decayed normal equations of one worker's fit, and which of its ranks was used last."""
+
+    def __init__(self, window: int = WINDOW):
+        self.decay = 1.0 - 1.0 / window
+        self.xx = [[0.0] * 3 for _ in range(3)]  # sum of w x x^T over x = (1, kilotokens, moved)
+        self.xy = [0.0] * 3
+        self.yy = 0.0
+        self.n = 0.0  # sum of w
+        self.moved = self.stayed = 0.0
+        self.last_key: str | None = None  # the rank sent work most recently
+        self.fit = NO_FIT
+
+    def observe(self, wait_tokens: int, moved: bool, seconds: float) -> None:
+        d = self.decay
+        x = (1.0, wait_tokens / TOKEN_SCALE, 1.0 if moved else 0.0)
+        for i in range(3):
+            self.xy[i] = self.xy[i] * d + x[i] * seconds
+            row = self.xx[i]
+            for j in range(3):
+                row[j] = row[j] * d + x[i] * x[j]
+        self.yy = self.yy * d + seconds * seconds
+        self.n = self.n * d + 1.0
+        self.moved = self.moved * d + x[2]
+        self.stayed = self.stayed * d + 1.0 - x[2]
+        self.fit = self._solve()
+
+    def _solve(self) -> TimingFit:
+        # a whisker of ridge keeps a fit with one kind of sample (or one prompt size) solvable
+        a = [[self.xx[i][j] + (1e-9 if i == j else 0.0) for j in range(3)] for i in range(3)]
+        inv = _inverse3(a)
+        if inv is None:
+            return NO_FIT
+        beta = [sum(inv[i][j] * self.xy[j] for j in range(3)) for i in range(3)]
+        rss = self.yy - sum(beta[i] * self.xy[i] for i in range(3))
+        dof = self.n - 3.0
+        se = math.sqrt(max(rss, 0.0) / dof * inv[2][2]) if dof > 0 else math.inf
+        return TimingFit(
+            base_s=beta[0],
+            per_token_s=beta[1] / TOKEN_SCALE,
+            move_s=beta[2],
+            move_se_s=se,
+            moved=self.moved,
+            stayed=self.stayed,
+        )
+
+
+def _inverse3(m: list[list[float]]) -> list[list[float]] | None:
+    (a, b, c), (d, e, f), (g, h, i) = m
+    co = [
+        [e * i - f * h, c * h - b * i, b * f - c * e],
+        [f * g - d * i, a * i - c * g, c * d - a * f],
+        [d * h - e * g, b * g - a * h, a * e - b * d],
+    ]
+    det = a * co[0][0] + b * co[1][0] + c * co[2][0]
+    if abs(det) < 1e-18:
+        return None
+    return [[v / det for v in row] for row in co]
+
+
+@dataclass
+class TimingSample:
+    """What one dispatch is observed as at its first token."""
+
+    timing: WorkerTiming
+    wait_tokens: int
+    moved: bool
+
+    def observe(self, seconds: float) -> None:
+        self.timing.observe(self.wait_tokens, self.moved, seconds)
+
+
+class Timing:
+    """Every worker's ``WorkerTiming``, by worker id."""
+
+    def __init__(self):
+        self.workers: dict[int, WorkerTiming] = {}
+
+    def of(self, worker_id: int) -> WorkerTiming:
+        timing = self.workers.get(worker_id)
+        if timing is None:
+            timing = self.workers[worker_id] = WorkerTiming()
+        return timing
+
+    def forget(self, worker_id: int) -> None:
+        self.workers.pop(worker_id, None)
+
+    @staticmethod
+    def would_move(timing: WorkerTiming, target) -> bool:
+        """Whether sending work to ``target`` now wakes it: nothing in flight there, and another
+        rank of its worker was sent work more recently."""
+        return (
+            timing.last_key is not None
+            and timing.last_key != target.key
+            and target.load.inflight == 0
+        )
+
+    def move_tokens(self, targets) -> dict[str, float]:
+        """For the policy: what sending the request to each target costs in moving, in tokens
+        (only targets whose move is significant on their worker appear)."""
+        out = {}
+        for t in targets:
+            timing = self.workers.get(t.worker.worker_id)
+            if timing is not None and self.would_move(timing, t):
+                tokens = timing.fit.move_tokens
+                if tokens:
+                    out[t.key] = tokens
+        return out
+
+    def warm_keys(self, targets) -> set[str]:
+        """The targets that were their worker's last used."""
+        out = set()
+        for t in targets:
+            timing = self.workers.get(t.worker.worker_id)
+            if timing is not None and timing.last_key == t.key:
+                out.add(t.key)
+        return out
+
+    def dispatched(self, target, wait_tokens: int) -> TimingSample:
+        """``target`` was chosen (before its load begins): the sample its first token completes."""
+        timing = self.of(target.worker.worker_id)
+        sample = TimingSample(timing, wait_tokens, self.would_move(timing, target))
+        timing.last_key = target.key
+        return sample
