@@ -222,4 +222,7 @@ def worker_as_dict(worker: Worker, runtime: FleetRuntime | None = None) -> dict:
         "overrides": worker.overrides,
         "sources": effective_info(worker.server_info, worker.overrides).get("sources", {}),
         "targets": live["targets"] if live else [],
+        # what a first token costs in time there, as this router learned it
+        # (apps/routing/decision/timing.py); None until it has seen one
+        "timing": live.get("timing") if live else None,
     }

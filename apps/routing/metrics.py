@@ -94,6 +94,7 @@ class RouterCollector:
         yield from self._response_families()
         yield _policy_info(self.router)
         yield from self._observer_families()
+        yield from self._timing_families()
         yield CounterMetricFamily(
             f"{PREFIX}_retries",
             "Upstream attempts retried on another target",
@@ -158,6 +159,41 @@ class RouterCollector:
         yield from self.router.sessions.metric_families(PREFIX)
         for observer in self.router.observers:
             yield from observer.metric_families()
+
+    def _timing_families(self):
+        """The time model's fit per worker (apps/routing/decision/timing.py), once it has one."""
+        urls = {w.worker_id: w.url for w in self.router.fleet.workers.values()}
+        fits = [
+            (urls[worker_id], timing.fit)
+            for worker_id, timing in sorted(self.router.timing.workers.items())
+            if worker_id in urls
+        ]
+        for name, help_text, read in _TIMING_GAUGES:
+            family = GaugeMetricFamily(f"{PREFIX}_{name}", help_text, labels=["worker"])
+            for url, fit in fits:
+                family.add_metric([url], read(fit))
+            yield family
+
+
+# the time model's figures, per worker (apps/routing/decision/timing.py)
+_TIMING_GAUGES = (
+    ("ttft_base_seconds", "Fitted TTFT of a request with nothing to wait for", lambda f: f.base_s),
+    (
+        "ttft_per_token_seconds",
+        "Fitted TTFT per prompt token waited for (uncached + queued prefill)",
+        lambda f: f.per_token_s,
+    ),
+    (
+        "ttft_move_seconds",
+        "Fitted extra TTFT of a request that woke an idle rank another was used after",
+        lambda f: f.move_s,
+    ),
+    (
+        "ttft_move_significant",
+        "1 when that extra TTFT is significant (enough of each kind, log fit), else 0",
+        lambda f: float(f.move_significant),
+    ),
+)
 
 
 def _tokenizer_families():

@@ -143,8 +143,11 @@ async def test_get_and_delete_workers(engine, router, client):
     assert (await client.get(f"/workers/{worker_id + 1}")).status_code == 404
     # gives the index something to drop
     routed = router.route({"prompt": list(range(40))}, False, None)
+    routed.first_token()  # the time model learns from it, and the worker's detail shows the fit
     routed.finish(ok=True)
     assert router.index.size(routed.target.key) == 2
+    timing = (await client.get(f"/workers/{worker_id}")).json()["timing"]
+    assert timing["stayed_samples"] == 1.0 and timing["moved_samples"] == 0.0
 
     r = await client.delete(f"/workers/{worker_id}")
     assert r.status_code == 200 and r.json() == {"deleted": worker_id}

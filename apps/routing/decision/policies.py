@@ -73,8 +73,7 @@ class CacheAware(Policy):
         + rework x (uncached on t - least uncached)    (recomputing delays whoever queues behind)
         + balance_weight x pressure x excess(t)        (where sessions pile up over time)
         + seat_weight x requests beyond t's seats      (it waits for a running request to end)
-        + volume_weight x busy x prompt x volume excess(t)   (each rank's share, over minutes)
-        + move(t)                                      (waking an idle rank, where it costs time)
+        + volume_weight x prompt x volume excess(t)    (each rank's share of the work, over minutes)
 
     Private blocks lie past the deepest shared branch point (``PrefixIndex.shared_blocks``): one
     session's history. A shared prefix carries no stickiness, so it replicates when load says so.
@@ -85,11 +84,7 @@ class CacheAware(Policy):
     ``rework`` is 0 while the fleet is idle and at least ``rework_floor`` once it is busy; where a
     copy buys no balance it is multiplied by ``amplification``, up to ``rework_max``. The volume
     term weighs only where a request is free to go and never pulls it into a longer queue
-    (``volumes``), and only as the fleet is busy: an idle fleet has no queue to spread. ``move`` is
-    learned per worker (apps/routing/decision/timing.py): 0 unless waking an idle rank measurably
-    costs time there. Costs within ``slack`` tie and go to the least loaded; on an idle fleet then
-    to the rank its worker used last (no engine serves a request slower on the rank it just used,
-    and some serve it much faster), then to the rank with fewer recent requests, then chance.
+    (``volumes``). Costs within ``slack`` tie and go to the least loaded, then chance.
 
     Why each weight is what it is, run by run: docs/routing.md, "CacheAware: the measurements
     behind each term".
@@ -176,8 +171,7 @@ class CacheAware(Policy):
                 + rework * (best_match - hit)
                 + self.balance_weight * pressure * self.one_sided(excess, hit, shared, hot)
                 + self.seat_weight * self.beyond_seats(t, n)
-                + self.volume_weight * busy * shape.prompt_tokens * volume
-                + shape.move_tokens.get(t.key, 0.0)
+                + self.volume_weight * shape.prompt_tokens * volume
             )
         return out
 
@@ -256,12 +250,10 @@ class CacheAware(Policy):
         # later turns go, so among targets nearly as cheap now, the least loaded lately wins.
         slack = self.slack if private else self.new_session_slack
         near = [t for c, t in zip(costs, targets, strict=True) if c <= best + slack]
-        idle = not any(t.load.inflight for t in targets)
         return min(
             near,
             key=lambda t: (
                 t.load.active_sessions() + t.load.inflight,
-                idle and t.key not in shape.warm,
                 t.load.recent_requests(),
                 self.rng.random(),
             ),

@@ -124,13 +124,10 @@ class RequestShape:
     requests that shared the prefix this one shares (apps/routing/decision/index.py
     ``PrefixDemand``; None: not known, and a policy takes the prefix as hot). ``volume_excess`` is
     the router's too: each candidate's prompt tokens of the last minutes relative to the candidates'
-    mean (``ServedVolume.excess``; None: not known, and a policy ignores it). ``move_tokens`` and
-    ``warm`` are the router's too (apps/routing/decision/timing.py): what sending the request to
-    each candidate costs in waking it, in tokens (only where that is significant), and the
-    candidates that were their worker's rank used last."""
+    mean (``ServedVolume.excess``; None: not known, and a policy ignores it)."""
 
     __slots__ = ("digests", "prompt_tokens", "block_tokens", "chat", "prefix_share",
-                 "volume_excess", "move_tokens", "warm")  # fmt: skip
+                 "volume_excess")  # fmt: skip
 
     def __init__(
         self, digests: list[int], prompt_tokens: int, block_tokens: int, chat: bool = False
@@ -139,8 +136,6 @@ class RequestShape:
         self.chat = chat
         self.prefix_share: float | None = None
         self.volume_excess: dict[str, float] | None = None
-        self.move_tokens: dict[str, float] = {}
-        self.warm: set[str] = set()
 
     @property
     def hittable_blocks(self) -> int:

@@ -98,13 +98,6 @@ class Router:
         self.demand.add(prefix)
         primary.prefix_share = self.demand.share(prefix) if prefix is not None else None
         primary.volume_excess = self.volume.excess([t.key for t in candidates])
-        primary.move_tokens = self.timing.move_tokens(candidates)
-        # the rank used last keeps the idle fleet's ties while the request fits in its cache
-        primary.warm = {
-            k
-            for k in self.timing.warm_keys(candidates)
-            if self.index.room(k) >= len(primary.digests)
-        }
         home = self.sessions.home(session, candidates) if session else None
         target = home or self.policy.choose(candidates, primary, matched, shared)
         if session:

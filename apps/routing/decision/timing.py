@@ -16,11 +16,17 @@ samples fading (``WINDOW``):
   on others (the simulated engine, GPUs with their graphs ready) it costs nothing;
 - ``per_token``: seconds per prompt token waited for, so ``move`` converts to the policy's unit.
 
-``move`` counts for routing only once it is significant (estimate > ``SIGNIFICANCE`` standard
-errors, with at least ``MIN_SAMPLES`` requests of each kind): the policy then adds
-``move / per_token`` tokens to an idle rank of the worker that was not the last one used
-(``Timing.move_tokens``), up to ``MOVE_CAP_TOKENS``. Where moving costs nothing the term
-stays 0 and routing is unchanged.
+``move`` is judged significant once there are at least ``MIN_SAMPLES`` requests of each kind
+and the same fit on log(TTFT) puts the move's effect above ``SIGNIFICANCE`` standard errors
+(TTFTs are heavy-tailed: a few second-long stalls would otherwise hide a steady cost, or fake
+one); ``move / per_token`` (up to ``MOVE_CAP_TOKENS``) is what a move costs in the policy's
+unit.
+
+What the router does with it: it shows it (the workers API's ``timing``, /metrics). It does not
+steer the policy yet: keeping an idle fleet's work on the rank used last wins where moves cost
+(vLLM-CPU DP 2: 100 requests one at a time in 4.2-5.8 s instead of 35.8 s), but the prefixes it
+concentrates then stay on that rank when load comes, because CacheAware's token costs never
+trade a cached prefix for a shorter queue (docs/routing.md, "The time model").
 
 Pure: no I/O, no clock of its own (the dispatch measures the TTFT and calls ``observe``).
 """
@@ -49,14 +55,17 @@ class TimingFit:
     move_se_s: float  # its standard error (inf: not enough samples)
     moved: float  # faded counts of samples of each kind
     stayed: float
+    move_log: float = 0.0  # the move's effect on log(TTFT), and its standard error
+    move_log_se: float = math.inf
+
+    @property
+    def known(self) -> bool:
+        """Enough requests of each kind to judge the move."""
+        return self.moved >= MIN_SAMPLES and self.stayed >= MIN_SAMPLES
 
     @property
     def move_significant(self) -> bool:
-        return (
-            self.moved >= MIN_SAMPLES
-            and self.stayed >= MIN_SAMPLES
-            and self.move_s > SIGNIFICANCE * self.move_se_s
-        )
+        return self.known and self.move_s > 0 and self.move_log > SIGNIFICANCE * self.move_log_se
 
     @property
     def move_tokens(self) -> float:
@@ -72,6 +81,7 @@ class TimingFit:
             "per_token_us": round(1e6 * self.per_token_s, 3),
             "move_ms": round(1000 * self.move_s, 2),
             "move_se_ms": round(1000 * se, 2) if math.isfinite(se) else None,
+            "move_factor": round(math.exp(self.move_log), 3),
             "moved_samples": round(self.moved, 1),
             "stayed_samples": round(self.stayed, 1),
             "move_tokens": round(self.move_tokens, 1),
@@ -79,6 +89,7 @@ class TimingFit:
 
 
 NO_FIT = TimingFit(0.0, 0.0, 0.0, math.inf, 0.0, 0.0)
+LOG_FLOOR_S = 1e-4  # log(TTFT) of a TTFT under 0.1 ms (a clock's granularity) counts as 0.1 ms
 
 
 class WorkerTiming:
@@ -89,6 +100,8 @@ class WorkerTiming:
         self.xx = [[0.0] * 3 for _ in range(3)]  # sum of w x x^T over x = (1, kilotokens, moved)
         self.xy = [0.0] * 3
         self.yy = 0.0
+        self.xlog = [0.0] * 3  # the same for log(TTFT)
+        self.loglog = 0.0
         self.n = 0.0  # sum of w
         self.moved = self.stayed = 0.0
         self.last_key: str | None = None  # the rank sent work most recently
@@ -97,12 +110,15 @@ class WorkerTiming:
     def observe(self, wait_tokens: int, moved: bool, seconds: float) -> None:
         d = self.decay
         x = (1.0, wait_tokens / TOKEN_SCALE, 1.0 if moved else 0.0)
+        log = math.log(max(seconds, LOG_FLOOR_S))
         for i in range(3):
             self.xy[i] = self.xy[i] * d + x[i] * seconds
+            self.xlog[i] = self.xlog[i] * d + x[i] * log
             row = self.xx[i]
             for j in range(3):
                 row[j] = row[j] * d + x[i] * x[j]
         self.yy = self.yy * d + seconds * seconds
+        self.loglog = self.loglog * d + log * log
         self.n = self.n * d + 1.0
         self.moved = self.moved * d + x[2]
         self.stayed = self.stayed * d + 1.0 - x[2]
@@ -114,10 +130,8 @@ class WorkerTiming:
         inv = _inverse3(a)
         if inv is None:
             return NO_FIT
-        beta = [sum(inv[i][j] * self.xy[j] for j in range(3)) for i in range(3)]
-        rss = self.yy - sum(beta[i] * self.xy[i] for i in range(3))
-        dof = self.n - 3.0
-        se = math.sqrt(max(rss, 0.0) / dof * inv[2][2]) if dof > 0 else math.inf
+        beta, se = self._coefficients(inv, self.xy, self.yy)
+        beta_log, se_log = self._coefficients(inv, self.xlog, self.loglog)
         return TimingFit(
             base_s=beta[0],
             per_token_s=beta[1] / TOKEN_SCALE,
@@ -125,7 +139,16 @@ class WorkerTiming:
             move_se_s=se,
             moved=self.moved,
             stayed=self.stayed,
+            move_log=beta_log[2],
+            move_log_se=se_log,
         )
+
+    def _coefficients(self, inv, xy, yy) -> tuple[list[float], float]:
+        """Least squares coefficients, and the standard error of the move's."""
+        beta = [sum(inv[i][j] * xy[j] for j in range(3)) for i in range(3)]
+        rss = yy - sum(beta[i] * xy[i] for i in range(3))
+        dof = self.n - 3.0
+        return beta, math.sqrt(max(rss, 0.0) / dof * inv[2][2]) if dof > 0 else math.inf
 
 
 def _inverse3(m: list[list[float]]) -> list[list[float]] | None:
@@ -177,27 +200,6 @@ class Timing:
             and timing.last_key != target.key
             and target.load.inflight == 0
         )
-
-    def move_tokens(self, targets) -> dict[str, float]:
-        """For the policy: what sending the request to each target costs in moving, in tokens
-        (only targets whose move is significant on their worker appear)."""
-        out = {}
-        for t in targets:
-            timing = self.workers.get(t.worker.worker_id)
-            if timing is not None and self.would_move(timing, t):
-                tokens = timing.fit.move_tokens
-                if tokens:
-                    out[t.key] = tokens
-        return out
-
-    def warm_keys(self, targets) -> set[str]:
-        """The targets that were their worker's last used."""
-        out = set()
-        for t in targets:
-            timing = self.workers.get(t.worker.worker_id)
-            if timing is not None and timing.last_key == t.key:
-                out.add(t.key)
-        return out
 
     def dispatched(self, target, wait_tokens: int) -> TimingSample:
         """``target`` was chosen (before its load begins): the sample its first token completes."""
