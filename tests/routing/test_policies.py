@@ -307,8 +307,9 @@ def test_slack_makes_near_costs_a_tie_broken_by_recent_volume():
 
 
 def test_a_new_session_goes_to_the_least_recently_loaded_of_the_nearly_cheapest():
-    """No private history anywhere: where the request lands is where its later turns go, so a
-    wider band (new_session_slack) of near-cheapest targets goes to the least loaded lately."""
+    """A chat request with no private history anywhere: where it lands is where its later turns
+    go, so a wider band (new_session_slack) of near-cheapest targets goes to the least loaded
+    lately. A completion starts no session: the narrow slack, and its shared prefix keeps it."""
     clock = Clock()
     home, idle = targets(2, clock=clock)
     home.load.end(home.load.begin(300, 0))
@@ -316,6 +317,8 @@ def test_a_new_session_goes_to_the_least_recently_loaded_of_the_nearly_cheapest(
     matched = {home.key: 12}  # all of it a shared prefix: 192 tokens cheaper at home
     policy = cache_aware(balance_weight=0.0, new_session_slack=192.0)
     assert policy.costs([home, idle], s, matched, shared_blocks=12) == [8, 200]
+    assert policy.choose([home, idle], s, matched, shared_blocks=12) is home  # a completion
+    s.chat = True
     assert policy.choose([home, idle], s, matched, shared_blocks=12) is idle
     assert (
         cache_aware(balance_weight=0.0, new_session_slack=191.0).choose(
