@@ -97,15 +97,23 @@ class WorkerTiming:
 
     def __init__(self, window: int = WINDOW):
         self.decay = 1.0 - 1.0 / window
-        self.xx = [[0.0] * 3 for _ in range(3)]  # sum of w x x^T over x = (1, kilotokens, moved)
+        # sum of w x x^T over x = (1, kilotokens, moved): [0][0] is the faded sample count and
+        # [2][2] the faded count of moves
+        self.xx = [[0.0] * 3 for _ in range(3)]
         self.xy = [0.0] * 3
         self.yy = 0.0
         self.xlog = [0.0] * 3  # the same for log(TTFT)
         self.loglog = 0.0
-        self.n = 0.0  # sum of w
-        self.moved = self.stayed = 0.0
         self.last_key: str | None = None  # the rank sent work most recently
-        self.fit = NO_FIT
+
+    @property
+    def n(self) -> float:
+        return self.xx[0][0]
+
+    @property
+    def fit(self) -> TimingFit:
+        """Solved when read (the workers API, /metrics), not at every first token."""
+        return self._solve()
 
     def observe(self, wait_tokens: int, moved: bool, seconds: float) -> None:
         d = self.decay
@@ -119,10 +127,6 @@ class WorkerTiming:
                 row[j] = row[j] * d + x[i] * x[j]
         self.yy = self.yy * d + seconds * seconds
         self.loglog = self.loglog * d + log * log
-        self.n = self.n * d + 1.0
-        self.moved = self.moved * d + x[2]
-        self.stayed = self.stayed * d + 1.0 - x[2]
-        self.fit = self._solve()
 
     def _solve(self) -> TimingFit:
         # a whisker of ridge keeps a fit with one kind of sample (or one prompt size) solvable
@@ -130,6 +134,7 @@ class WorkerTiming:
         inv = _inverse3(a)
         if inv is None:
             return NO_FIT
+        moved = self.xx[2][2]
         beta, se = self._coefficients(inv, self.xy, self.yy)
         beta_log, se_log = self._coefficients(inv, self.xlog, self.loglog)
         return TimingFit(
@@ -137,8 +142,8 @@ class WorkerTiming:
             per_token_s=beta[1] / TOKEN_SCALE,
             move_s=beta[2],
             move_se_s=se,
-            moved=self.moved,
-            stayed=self.stayed,
+            moved=moved,
+            stayed=self.n - moved,
             move_log=beta_log[2],
             move_log_se=se_log,
         )
