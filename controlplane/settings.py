@@ -158,6 +158,13 @@ CONTROL_PLANE = namespaced_settings(
         "SATURATION_KV_USAGE": 0.0,
         # On SIGTERM/SIGINT: how long in-flight requests may run on (apps/routing/proxy/drain.py).
         "DRAIN_TIMEOUT_S": 25.0,
+        # The ASGI server a router process runs under (apps/routing/process.py): uvicorn or
+        # daphne (runrouter --server wins); why uvicorn: docs/benchmarks.md, "The ASGI server".
+        "SERVER": "uvicorn",
+        # A client's request line and headers (uvicorn), and its body, must arrive within these
+        # (serving/uvicorn_server.py, serving/asgi.py read_body).
+        "HEADER_TIMEOUT_S": 20.0,
+        "BODY_TIMEOUT_S": 30.0,
     },
 )
 

@@ -176,13 +176,72 @@ def prefix_token_cache(tokenizer) -> PrefixTokenCache | None:
         return _CACHES[tokenizer]
 
 
-def encode_text(tokenizer, text: str) -> list[int]:
+class TooManyTokens(ValueError):
+    """A text holds more than ``limit`` tokens: at least ``at_least`` (what encoding a head of it
+    counted; the rest was never encoded)."""
+
+    def __init__(self, at_least: int, limit: int):
+        super().__init__(f"at least {at_least} tokens, over the limit of {limit}")
+        self.at_least, self.limit = at_least, limit
+
+
+def encode_text(tokenizer, text: str, limit: int | None = None) -> list[int]:
     """``tokenizer.encode(text, add_special_tokens=False)``; a long text through the tokenizer's
-    prefix token cache."""
+    prefix token cache. With ``limit``: ``TooManyTokens`` as soon as the text is known to hold
+    more than ``limit`` tokens, at a cost bounded by the limit, not by the text (``_bounded``)."""
+    # a character is at most 4 UTF-8 bytes and a token at least one: up to limit / 4 characters
+    # cannot be too many
+    if limit is not None and len(text) > limit // 4:
+        return _bounded(tokenizer, text, limit)
+    return _encode(tokenizer, text)
+
+
+def _encode(tokenizer, text: str) -> list[int]:
     cache = prefix_token_cache(tokenizer) if len(text) >= 2 * STRIDE else None
     if cache is not None:
         return cache.encode(text)
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _bounded(tokenizer, text: str, limit: int) -> list[int]:
+    """Encode heads of ``text`` cut at a word start (where a byte-level BPE's pieces begin, so a
+    head's ids are the whole text's first ids; without one nearby, where the head ends), of
+    ``limit`` characters and doubling, until what a head holds plus the least the rest can hold
+    (its characters / the longest token's, ``longest_token``) passes ``limit`` (then the whole
+    text does) or the head is the text. A text longer than ``limit`` x the longest token is
+    refused unread. The last head holds at most twice the characters of ``limit`` tokens, and
+    the prefix token cache encodes only each head's new chunks: a 15 MB prompt in front of a
+    32 k-token model costs what at most ~256 k characters cost, not 15 MB."""
+    longest = longest_token(tokenizer)
+    if len(text) > limit * longest:
+        raise TooManyTokens(len(text) // longest, limit)
+    chars = limit
+    while chars < len(text):
+        match = _CUT.search(text, chars, chars + 256)
+        end = match.start() if match else chars
+        count = len(_encode(tokenizer, text[:end])) + (len(text) - end) // longest
+        if count > limit:
+            raise TooManyTokens(count, limit)
+        chars = 2 * end
+    ids = _encode(tokenizer, text)
+    if len(ids) > limit:
+        raise TooManyTokens(len(ids), limit)
+    return ids
+
+
+_LONGEST: dict = {}  # tokenizer -> its longest token's length in characters
+
+
+def longest_token(tokenizer) -> int:
+    """The most characters of text one token of ``tokenizer`` can stand for: its longest
+    vocabulary entry (a byte-level BPE entry has a character per byte, a SentencePiece one a
+    character per character, and a byte-fallback entry, 6 characters for one byte, only makes
+    this larger: a bound either way); 64 when the vocabulary cannot be read."""
+    if tokenizer not in _LONGEST:
+        backend = backend_of(tokenizer)
+        vocab = backend.get_vocab() if backend is not None else {}
+        _LONGEST[tokenizer] = max(map(len, vocab), default=64) or 64
+    return _LONGEST[tokenizer]
 
 
 def counters() -> dict[str, int]:

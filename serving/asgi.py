@@ -22,6 +22,13 @@ class BodyTooLarge(Exception):
     pass
 
 
+class BodyTimeout(Exception):
+    """The request body did not arrive in time (a client trickling it, or gone quiet)."""
+
+
+BODY_TIMEOUT_S = 30.0  # the whole body, from the first read: nginx's client_body_timeout is 60 s
+
+
 async def lifespan(receive, send) -> None:
     while True:
         message = await receive()
@@ -32,21 +39,41 @@ async def lifespan(receive, send) -> None:
             return
 
 
-async def read_body(receive, limit: int) -> bytes:
-    """The whole request body; ``BodyTooLarge`` past ``limit`` bytes, ``ClientGone`` on
-    disconnect."""
+def declared_length(scope) -> int | None:
+    """The request's ``Content-Length``, when it has a valid one."""
+    for name, value in scope.get("headers") or ():
+        if name.lower() == b"content-length":
+            return int(value) if value.isdigit() else None
+    return None
+
+
+async def read_body(
+    receive, limit: int, scope=None, timeout_s: float | None = BODY_TIMEOUT_S
+) -> bytes:
+    """The whole request body; ``BodyTooLarge`` past ``limit`` bytes (at once, before reading,
+    when ``scope``'s ``Content-Length`` says so), ``BodyTimeout`` when it has not all arrived
+    within ``timeout_s``, ``ClientGone`` on disconnect."""
+    declared = declared_length(scope) if scope is not None else None
+    if declared is not None and declared > limit:
+        raise BodyTooLarge(f"the request body ({declared} bytes) is larger than {limit} bytes")
     chunks, size = [], 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ClientGone()
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise BodyTooLarge(f"the request body is larger than {limit} bytes")
-        chunks.append(chunk)
-        if not message.get("more_body"):
-            return b"".join(chunks)
+    try:
+        async with asyncio.timeout(timeout_s):
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    raise ClientGone()
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > limit:
+                    raise BodyTooLarge(f"the request body is larger than {limit} bytes")
+                chunks.append(chunk)
+                if not message.get("more_body"):
+                    return b"".join(chunks)
+    except TimeoutError:
+        raise BodyTimeout(
+            f"the request body did not arrive within {timeout_s:g} s ({size} bytes came)"
+        ) from None
 
 
 async def until_disconnect(work, receive):

@@ -31,6 +31,14 @@ class APIError(Exception):
         }
 
 
+def too_long_message(max_model_len: int, at_least: int, exact: bool = True) -> str:
+    """The engine's words for a prompt over ``max_model_len`` (the router says the same)."""
+    return (
+        f"This model's maximum context length is {max_model_len} tokens; the prompt has "
+        f"{'' if exact else 'at least '}{at_least} tokens"
+    )
+
+
 def is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 

@@ -12,6 +12,7 @@ from apps.routing.decision.config import RouterConfig
 from apps.routing.decision.policies import POLICIES, POLICY_NAMES
 
 DEFAULT_ROUTER_PORT = 30000
+SERVERS = ("daphne", "uvicorn")  # the ASGI servers a router process runs under (process.py)
 
 
 def add_router_arguments(
@@ -29,6 +30,12 @@ def add_router_arguments(
     add_worker_override_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=port)
+    parser.add_argument(
+        "--server",
+        choices=SERVERS,
+        default=None,
+        help="the ASGI server the router runs under (default: CONTROL_PLANE_SERVER, else uvicorn)",
+    )
     add_routing_arguments(parser)
     add_admission_arguments(parser)
     add_access_key_arguments(parser)

@@ -148,6 +148,12 @@ class RouterCollector:
                 "Streamed requests: dispatch to the first token",
                 stats.ttft,
             ),
+            (
+                "overhead_seconds",
+                "The router's own time: arrival to the upstream request sent (reading, "
+                "tokenizing, routing), admission waits and earlier attempts left out",
+                stats.overhead,
+            ),
         ]:
             family = HistogramMetricFamily(f"{PREFIX}_{name}", help_text)
             family.add_metric([], hist.cumulative(), sum_value=hist.sum)

@@ -21,7 +21,7 @@ from apps.routing.feeds.health import health_loop, probe_all
 from apps.routing.feeds.kv_events import KVEventsFeed
 from apps.routing.feeds.persist import stats_loop
 from apps.routing.feeds.shared_index import IndexSync
-from apps.routing.flags import DEFAULT_ROUTER_PORT, config_from_options
+from apps.routing.flags import DEFAULT_ROUTER_PORT, SERVERS, config_from_options
 from apps.routing.live import LiveFleet
 from apps.routing.proxy.admission import make_admission
 from apps.routing.proxy.drain import Drain
@@ -137,19 +137,29 @@ class RouterProcess:
 
 def serve_router(opts: dict, on_ready=None) -> None:
     """Run a router process (blocking) until SIGINT/SIGTERM, then drain it
-    (apps/routing/proxy/drain.py)
-    and return."""
+    (apps/routing/proxy/drain.py) and return. ``opts["server"]`` (else ``CONTROL_PLANE_SERVER``)
+    names the ASGI server: daphne (Twisted on asyncio) or uvicorn (uvloop and httptools); the
+    application, the background loops and the drain are the same under both."""
     for flag, name in (("api_key", "API_KEYS"), ("admin_key", "ADMIN_KEYS")):
         # a new dict: the settings' default stays untouched for whoever copied it
         if opts.get(flag):
             settings.CONTROL_PLANE = {**settings.CONTROL_PLANE, name: ",".join(opts[flag])}
-    from daphne.server import Server  # installs the asyncio reactor first
+    server = opts.get("server") or settings.CONTROL_PLANE["SERVER"]
+    if server not in SERVERS:
+        raise ValueError(f"unknown server {server!r}; choose one of {list(SERVERS)}")
+    if server == "daphne":
+        from daphne.server import Server  # installs the asyncio reactor first
+        from twisted.internet import reactor
+
+        loop = reactor._asyncioEventloop
+    else:
+        import uvloop
+
+        loop = uvloop.new_event_loop()
+        asyncio.set_event_loop(loop)
     from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler
-    from twisted.internet import reactor
-    from twisted.internet.defer import Deferred
 
     from controlplane.asgi import build_application
-    from serving.drain import close_loop, stop_reactor
 
     router = Router(config_from_options(opts))
     overrides = {
@@ -160,16 +170,25 @@ def serve_router(opts: dict, on_ready=None) -> None:
     process = RouterProcess(
         router, list(opts.get("worker_urls") or []), opts.get("policy"), overrides
     )
-    loop = reactor._asyncioEventloop
     loop.call_soon(lambda: asyncio.ensure_future(process.start()))
     host, port = opts.get("host") or "127.0.0.1", opts.get("port") or DEFAULT_ROUTER_PORT
     app = _with_static(build_application(router, process.admission), ASGIStaticFilesHandler)
+    if on_ready:
+        loop.call_soon(on_ready)
+    if server == "daphne":
+        _run_daphne(Server, reactor, loop, app, process, host, port)
+    else:
+        _run_uvicorn(loop, app, process, host, port)
+
+
+def _run_daphne(Server, reactor, loop, app, process: RouterProcess, host: str, port: int) -> None:
+    from twisted.internet.defer import Deferred
+
+    from serving.drain import close_loop, stop_reactor
+
     reactor.addSystemEventTrigger(
         "before", "shutdown", lambda: Deferred.fromFuture(asyncio.ensure_future(process.stop()))
     )
-    if on_ready:
-        loop.call_soon(on_ready)
-
     # Twisted's own handlers would stop the reactor at the first signal, cutting every stream
     process.drain.install(loop, lambda: stop_reactor(reactor))
     Server(
@@ -180,6 +199,27 @@ def serve_router(opts: dict, on_ready=None) -> None:
         application_close_timeout=5,
     ).run()
     close_loop(loop)
+
+
+def _run_uvicorn(loop, app, process: RouterProcess, host: str, port: int) -> None:
+    from serving.drain import close_loop
+    from serving.uvicorn_server import make_server
+
+    server = make_server(
+        app,
+        host,
+        port,
+        backlog=LISTEN_BACKLOG,
+        graceful_s=STOP_WAIT_S,
+        header_timeout_s=settings.CONTROL_PLANE["HEADER_TIMEOUT_S"],
+    )
+
+    process.drain.install(loop, server.stop)
+    try:
+        loop.run_until_complete(server.serve())
+        loop.run_until_complete(process.stop())
+    finally:
+        close_loop(loop)
 
 
 def _with_static(application, handler):

@@ -9,7 +9,11 @@ each pass, divided by the requests, is its cost; the streamed minus the non-stre
 divided by the events, is what one event costs it::
 
     .venv/bin/python -m bench.runs.stream_relay [--tokens 200] [--requests 200] \\
-        [--routers dpmesh sglang]
+        [--routers dpmesh dpmesh:uvicorn sglang vllm-router] [--vllm-router PATH]
+
+``dpmesh:SERVER`` is ours under that ASGI server (``runrouter --server``; plain ``dpmesh``: the
+default); ``vllm-router`` is vllm-router's ``cache_aware`` (``pip install vllm-router==0.1.17`` in
+a venv of its own, its executable given with ``--vllm-router``).
 
 The trace runs (bench.runs.routers_at_fleet_scale) stream ~200 tokens a request: this is where
 most of our router's CPU a request goes there (docs/benchmarks.md, "What a streamed token costs
@@ -56,6 +60,15 @@ def measure(url: str, pid: int, args, stream: bool) -> tuple[float, float]:
     return 1000 * (cpu_seconds(pid) - cpu) / args.requests, time.perf_counter() - wall
 
 
+def relay_router_cmd(kind: str, standin_url: str, port: int, vllm_router: str) -> list[str]:
+    name, _, server = kind.partition(":")
+    if name == "vllm-router":
+        return [vllm_router, "--worker-urls", standin_url, "--intra-node-data-parallel-size", "4",
+                "--policy", "cache_aware", "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
+    cmd = router_cmd(name, "cache_aware", standin_url, port)
+    return cmd + ["--server", server] if server else cmd
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -65,6 +78,7 @@ def main(argv=None) -> int:
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--routers", nargs="+", default=["dpmesh", "sglang"])
+    parser.add_argument("--vllm-router", default="vllm-router", help="the vllm-router executable")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
@@ -76,7 +90,7 @@ def main(argv=None) -> int:
             for kind in args.routers:
                 port = free_port()
                 env = {"DATABASE_URL": f"sqlite:///{workdir}/{kind}.sqlite3"}
-                cmd = router_cmd(kind, "cache_aware", standin.url, port)
+                cmd = relay_router_cmd(kind, standin.url, port, args.vllm_router)
                 with start(cmd, f"http://127.0.0.1:{port}", workdir / f"{kind}.log", env=env,
                            timeout=120) as router:  # fmt: skip
                     warm = max(8, args.requests // 10)
@@ -85,7 +99,7 @@ def main(argv=None) -> int:
                     plain, _ = measure(router.url, router.proc.pid, args, False)
                 events = args.tokens + 3  # the text events, the finish event, usage, [DONE]
                 per_event_us = 1000 * (streamed - plain) / events
-                print(f"{kind:<7} streamed {streamed:6.2f} ms CPU a request ({wall:.1f} s wall), "
+                print(f"{kind:<15} streamed {streamed:6.2f} ms CPU a request ({wall:.1f} s wall), "
                       f"not streamed {plain:5.2f} ms; {per_event_us:5.1f} us an event "
                       f"({args.tokens} tokens, {args.token_interval_s * 1000:g} ms apart)",
                       flush=True)  # fmt: skip

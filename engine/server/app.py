@@ -18,6 +18,7 @@ from engine.server import openai_api as api
 from engine.server.frontend import EngineClient, RankFailed, RankUnavailable
 from engine.server.metrics import make_registry, render
 from serving.asgi import (
+    BodyTimeout,
     BodyTooLarge,
     ClientGone,
     end_body,
@@ -48,11 +49,13 @@ async def send_sse_end(send):
     await end_body(send, b"data: [DONE]\n\n")
 
 
-async def read_json(receive, limit: int):
+async def read_json(receive, limit: int, scope=None):
     try:
-        raw = await read_body(receive, limit)
+        raw = await read_body(receive, limit, scope)
     except BodyTooLarge as exc:
         raise APIError(413, str(exc)) from exc
+    except BodyTimeout as exc:
+        raise APIError(408, str(exc)) from exc
     try:
         return strict_json(raw)
     except (ValueError, UnicodeDecodeError) as exc:
@@ -193,7 +196,7 @@ class EngineApp:
     async def _generate(self, scope, receive, send, chat: bool):
         if self.draining:
             raise APIError(503, "the engine is draining: send new requests elsewhere")
-        body = await read_json(receive, self.max_body_bytes)
+        body = await read_json(receive, self.max_body_bytes, scope)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         parse = functools.partial(
             api.parse,

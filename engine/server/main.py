@@ -94,6 +94,8 @@ def server_info(args, client, model_path: str, dp_size: int, tp_size: int, token
         "block_size": args.block_size,
         "num_kv_blocks_per_rank": first.num_kv_blocks,
         "max_model_len": first.max_model_len,
+        # the largest request body the front reads (413 past it): a router refuses larger ones
+        "max_request_body_bytes": args.max_body_bytes,
         # sequences a rank runs at once: a router sends no more to a rank whose seats are taken
         # while another has one free (apps/routing/decision/policies.py)
         "max_num_seqs": scheduler_limits(

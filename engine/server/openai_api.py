@@ -10,8 +10,8 @@ import time
 from dataclasses import dataclass
 
 from engine.sampling_params import SamplingParams
-from engine.tokenize_cache import encode_text
-from serving.openai_fields import PRETOKENIZED, APIError, is_int, rank_hint
+from engine.tokenize_cache import TooManyTokens, encode_text
+from serving.openai_fields import PRETOKENIZED, APIError, is_int, rank_hint, too_long_message
 
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 
@@ -90,14 +90,15 @@ def sampling_params(body: dict, default_max_tokens: int) -> SamplingParams:
 
 
 def completion_prompt(
-    body: dict, tokenizer, vocab_size: int, given: list[int] | None = None
+    body: dict, tokenizer, vocab_size: int, given: list[int] | None = None, limit: int | None = None
 ) -> list[int]:
-    """``given``: the text prompt's token ids, already computed (``PRETOKENIZED``)."""
+    """``given``: the text prompt's token ids, already computed (``PRETOKENIZED``); ``limit``:
+    encoding stops, ``TooManyTokens``, once the prompt is known to be longer."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str) and prompt:
-        return given if given is not None else encode_text(tokenizer, prompt)
+        return given if given is not None else encode_text(tokenizer, prompt, limit)
     if isinstance(prompt, list) and prompt and all(map(is_int, prompt)):
         if not all(0 <= t < vocab_size for t in prompt):
             raise APIError(400, f"prompt token ids must be in [0, {vocab_size})", param="prompt")
@@ -146,7 +147,9 @@ def _message_text(msg: dict, i: int) -> str:
     )
 
 
-def chat_prompt(body: dict, tokenizer, given: list[int] | None = None) -> list[int]:
+def chat_prompt(
+    body: dict, tokenizer, given: list[int] | None = None, limit: int | None = None
+) -> list[int]:
     """Token ids of the chat exactly as the model sees it: its chat template with the
     generation prompt, then encoded without extra special tokens. The router digests the same
     (and sends them: ``given``, which replaces the encoding once the messages are checked)."""
@@ -165,7 +168,7 @@ def chat_prompt(body: dict, tokenizer, given: list[int] | None = None) -> list[i
     if given is not None:
         return given
     text = tokenizer.apply_chat_template(clean, add_generation_prompt=True, tokenize=False)
-    return encode_text(tokenizer, text)
+    return encode_text(tokenizer, text, limit)
 
 
 def parse(
@@ -194,17 +197,21 @@ def parse(
             400, "'stream_options' is only allowed when 'stream' is true", param="stream_options"
         )
     given = pretokenized(body, vocab_size)
-    if chat:
-        ids = chat_prompt(body, tokenizer, given)
-    else:
-        ids = completion_prompt(body, tokenizer, vocab_size, given)
+    try:
+        if chat:
+            ids = chat_prompt(body, tokenizer, given, limit=max_model_len)
+        else:
+            ids = completion_prompt(body, tokenizer, vocab_size, given, limit=max_model_len)
+    except TooManyTokens as exc:
+        raise APIError(
+            400,
+            too_long_message(max_model_len, exc.at_least, exact=False),
+            param="messages" if chat else "prompt",
+        ) from exc
     room = max_model_len - len(ids)
     if room <= 0:
         raise APIError(
-            400,
-            f"This model's maximum context length is {max_model_len} tokens; the prompt has "
-            f"{len(ids)} tokens",
-            param="messages" if chat else "prompt",
+            400, too_long_message(max_model_len, len(ids)), param="messages" if chat else "prompt"
         )
     try:
         params = sampling_params(body, room if chat else min(16, room))

@@ -142,3 +142,33 @@ def test_a_transformers_fast_tokenizer_gets_one_too(corpus):
             history, add_special_tokens=False
         )
     assert cache.cached_chars >= 8_000 and cache.mismatches == 0
+
+
+@pytest.mark.parametrize("limit", [64, 2_000, 32_768])
+def test_a_limit_gives_the_same_ids_or_stops_once_the_text_is_too_long(tiny, corpus, limit):
+    rng = random.Random(limit)
+    for text in _texts(corpus, rng, 12):
+        full = tiny.encode(text, add_special_tokens=False)
+        if len(full) <= limit:
+            assert tokenize_cache.encode_text(tiny, text, limit) == full
+        else:
+            with pytest.raises(tokenize_cache.TooManyTokens) as caught:
+                tokenize_cache.encode_text(tiny, text, limit)
+            # a true lower bound, past the limit
+            assert limit < caught.value.at_least <= len(full)
+
+
+def test_a_huge_text_costs_what_the_limit_costs_not_what_the_text_does(tiny):
+    text = " ".join(f"w{k % 10} word{k % 7}" for k in range(1_500_000))  # ~18 MB
+    limit = 32_768
+    before = tokenize_cache.counters()["encoded"]
+    with pytest.raises(tokenize_cache.TooManyTokens):
+        tokenize_cache.encode_text(tiny, text, limit)
+    encoded = tokenize_cache.counters()["encoded"] - before
+    assert encoded <= 4 * limit * 2, (encoded, len(text))  # heads of limit chars, doubling
+    # no word starts to cut at, and over limit x the longest token: refused unread
+    blob = "x" * (limit * tokenize_cache.longest_token(tiny) + 1)
+    before = tokenize_cache.counters()["encoded"]
+    with pytest.raises(tokenize_cache.TooManyTokens):
+        tokenize_cache.encode_text(tiny, blob, limit)
+    assert tokenize_cache.counters()["encoded"] == before

@@ -1,5 +1,5 @@
-"""The router's failure paths, end to end with real processes: ``runrouter`` under daphne in front
-of real engines (``runengine``) and of stand-ins that misbehave on purpose
+"""The router's failure paths, end to end with real processes: ``runrouter`` (uvicorn) in front of
+real engines (``runengine``) and of stand-ins that misbehave on purpose
 (harness/standin.py).
 
 Every path must release the router's load (its /metrics gauges per target return to 0): normal
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -52,6 +53,7 @@ pytestmark = pytest.mark.slow
 
 HEALTH_INTERVAL_S, FAILURE_THRESHOLD = 1, 2
 REQUEST_TIMEOUT_S = 6.0
+HEADER_TIMEOUT_S = 3.0  # a client's request line and headers (20 s by default)
 
 
 def start_test_router(
@@ -71,6 +73,7 @@ def start_test_router(
         "1",
         "--request-timeout-secs",
         str(REQUEST_TIMEOUT_S),
+        env={"CONTROL_PLANE_HEADER_TIMEOUT_S": str(HEADER_TIMEOUT_S)},
     )
 
 
@@ -451,6 +454,89 @@ def test_a_late_worker_turns_health_to_200(tmp_path):
 
 
 # ----- 5. the openai client through the router ----------------------------------------------------
+def raw_exchange(url: str, head: bytes, timeout: float = 10.0) -> bytes:
+    """Send ``head`` (a request line and headers, maybe a little body) on a fresh connection and
+    return what the router answers before ``timeout`` (b"" if it closed without a word)."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=timeout) as sock:
+        sock.sendall(head)
+        try:
+            return sock.recv(4096)
+        except TimeoutError:
+            return b"(no answer)"
+
+
+def test_a_body_past_the_fleets_limit_is_refused_before_it_is_read(cluster):
+    # the engines take max_model_len 32768 and report a 4 MiB body limit: the router holds
+    # bodies to 32768 x 64 + 1 MiB (apps/routing/proxy/limits.py), and says so from the
+    # Content-Length alone, with the 50 MB body never sent
+    limit = 32768 * 64 + 2**20
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 50000000\r\n\r\n{"
+    )
+    answer = raw_exchange(cluster.url, head)
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+    assert str(limit).encode() in answer, answer
+    # one byte past the limit, sent: refused too; at the limit it is read (and is not JSON)
+    for size, status in ((limit + 1, 413), (limit, 400)):
+        r = httpx.post(cluster.url + "/v1/completions", content=b"x" * size, timeout=30)
+        assert r.status_code == status, (size, r.text[:200])
+    assert_idle(cluster.url)
+
+
+def test_a_prompt_no_worker_can_take_is_refused_by_the_router(cluster):
+    # ~1 MB of words is ~350 k tokens, far past the engines' 32768: the router stops tokenizing
+    # once it knows, and answers in the engine's words; the engines never see it
+    sent = counter(cluster.url, "dpmesh_router_requests_total")
+    words = " ".join(f"w{k % 10}" for k in range(170_000))
+    refusals = [
+        ("/v1/completions", {"prompt": words, "max_tokens": 2}, "prompt"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": words}]}, "messages"),
+        ("/v1/completions", {"prompt": list(range(100, 40_100)), "max_tokens": 2}, "prompt"),
+    ]
+    for path, body, param in refusals:
+        r = httpx.post(cluster.url + path, json=body, timeout=60)
+        assert r.status_code == 400, r.text[:300]
+        error = r.json()["error"]
+        message = error["message"]
+        assert error["param"] == param and error["type"] == "invalid_request_error"
+        assert "maximum context length is 32768 tokens; the prompt has at least" in message
+    assert counter(cluster.url, "dpmesh_router_requests_total") == sent
+    # a long prompt that fits is still served, and routed on its tokens
+    r = httpx.post(
+        cluster.url + "/v1/completions",
+        json={"prompt": " ".join(f"w{k % 10}" for k in range(500)), "max_tokens": 2},
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text[:300]
+    assert_idle(cluster.url)
+
+
+def test_each_answer_says_what_the_router_itself_took(cluster):
+    seen = counter(cluster.url, "dpmesh_router_overhead_seconds_count")
+    for stream in (False, True):
+        body = body_for("tiny", chat=stream, stream=stream, prompt=f"overhead {stream}")
+        started = time.perf_counter()
+        r = httpx.post(cluster.url + path_for(body), json=body, timeout=30)
+        took_ms = (time.perf_counter() - started) * 1000
+        assert r.status_code == 200, r.text
+        overhead_ms = float(r.headers["x-dpmesh-overhead-duration-ms"])
+        assert 0 < overhead_ms < took_ms, (overhead_ms, took_ms)
+    assert counter(cluster.url, "dpmesh_router_overhead_seconds_count") == seen + 2
+
+
+def test_a_client_that_never_finishes_its_headers_is_cut_off(cluster):
+    # serving/uvicorn_server.py: the request line and headers within CONTROL_PLANE_HEADER_TIMEOUT_S
+    host, port = cluster.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        started = time.monotonic()
+        sock.sendall(b"X-Slow: 1\r\n")
+        assert sock.recv(100) == b""  # closed by the router, not timed out here
+        assert HEADER_TIMEOUT_S - 1 < time.monotonic() - started < 29
+
+
 @pytest.fixture
 def oai(cluster):
     with openai.OpenAI(

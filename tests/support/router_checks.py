@@ -26,12 +26,16 @@ LOAD_GAUGES = (
 
 
 # ----- processes ---------------------------------------------------------------------------------
-def start_router(tmp: Path, worker_urls: list[str], name: str, *flags: str) -> ServerProcess:
-    """``runrouter --dp-aware`` with its own SQLite database and ``ADMIN_KEY`` as its admin key;
-    ready when it answers /metrics (its /health is 503 until some worker is up)."""
+def start_router(
+    tmp: Path, worker_urls: list[str], name: str, *flags: str, env: dict | None = None
+) -> ServerProcess:
+    """``runrouter --dp-aware`` with its own SQLite database and ``ADMIN_KEY`` as its admin key
+    (and ``env`` besides); ready when it answers /metrics (its /health is 503 until some worker
+    is up)."""
     env = {
         "DATABASE_URL": f"sqlite:///{tmp / (name + '.sqlite3')}",
         "CONTROL_PLANE_ADMIN_KEYS": ADMIN_KEY,
+        **(env or {}),
     }
     return procs.start_router(
         worker_urls, *flags, log_path=tmp / f"{name}.log", health="/metrics", timeout=60, env=env

@@ -30,6 +30,10 @@ class WorkerView:
     capacity_blocks: int | None
     # sequences each rank runs at once (the engine's max_num_seqs), when discovery knows it
     max_num_seqs: int | None = None
+    # the longest prompt + output it takes, in tokens, and the largest request body, in bytes,
+    # when discovery knows them (apps/routing/proxy/limits.py)
+    max_model_len: int | None = None
+    max_body_bytes: int | None = None
     # the engine's own tokenizer files, when readable here (None: only the router's
     # --tokenizer-path, or none): ids made with it are the ids the engine would compute
     own_tokenizer_path: str | None = None

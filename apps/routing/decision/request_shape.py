@@ -19,12 +19,15 @@ import os
 import xxhash
 
 from engine.digests import chain_digests
-from engine.tokenize_cache import encode_text
+from engine.tokenize_cache import TooManyTokens, encode_text
 from serving.openai_fields import OFF_LOOP_CHARS, prompt_text_chars
 
 logger = logging.getLogger(__name__)
 
 CHUNK_CHARS = 64
+# tokenizing for routing stops here when no worker's max_model_len says where (past it a request
+# is routed on the digests of its text's first 4 x this many characters)
+ROUTING_TOKEN_CAP = 2**20
 
 
 @functools.lru_cache(maxsize=16)
@@ -64,9 +67,12 @@ def _message_text(content) -> str:
     return content if isinstance(content, str) else ""
 
 
-def prompt_token_ids(body: dict, chat: bool, tokenizer) -> list[int] | None:
+def prompt_token_ids(
+    body: dict, chat: bool, tokenizer, limit: int | None = None
+) -> list[int] | None:
     """The token ids the engine will prefill, or None when the body is not one we understand
-    (the engine will then reject it; routing does not need to)."""
+    (the engine will then reject it; routing does not need to). ``limit``: ``TooManyTokens`` as
+    soon as the prompt is known to hold more tokens (engine.tokenize_cache.encode_text)."""
     if chat:
         messages = body.get("messages")
         if (
@@ -82,15 +88,17 @@ def prompt_token_ids(body: dict, chat: bool, tokenizer) -> list[int] | None:
             text = tokenizer.apply_chat_template(clean, add_generation_prompt=True, tokenize=False)
         except Exception:  # a template that rejects these roles: let the engine say so
             return None
-        return encode_text(tokenizer, text)
+        return encode_text(tokenizer, text, limit)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1:
         prompt = prompt[0]
     if isinstance(prompt, str):
-        return encode_text(tokenizer, prompt)
+        return encode_text(tokenizer, prompt, limit)
     if isinstance(prompt, list) and all(
         isinstance(t, int) and not isinstance(t, bool) for t in prompt
     ):
+        if limit is not None and len(prompt) > limit:
+            raise TooManyTokens(len(prompt), limit)
         return prompt
     return None
 
@@ -143,12 +151,22 @@ class RequestShape:
         return max(0, (self.prompt_tokens - 1) // self.block_tokens)
 
 
-async def tokenize_off_loop(body: dict, chat: bool, tokenizer_paths) -> dict[str, list[int] | None]:
+async def tokenize_off_loop(
+    body: dict, chat: bool, tokenizer_paths, limit: int | None = None
+) -> dict[str, list[int] | None]:
     """The prompt's token ids for each of ``tokenizer_paths``, computed in worker threads when the
     prompt is long text (the tokenizer releases the GIL: the event loop keeps relaying streams
     meanwhile, and a router on several cores tokenizes on them), else {} (``shape_request``
     tokenizes inline). For ``shape_request``'s ``known_ids``. ``tokenizer_paths`` may be a
-    function giving them: only a long prompt then pays for looking them up."""
+    function giving them: only a long prompt then pays for looking them up.
+
+    ``limit``: the most tokens any worker could take; ``TooManyTokens`` as soon as the prompt is
+    known to hold more. Without one, tokenizing stops at ``ROUTING_TOKEN_CAP`` all the same, and
+    the path's ids are None (the request is routed on its text)."""
+    if limit is not None:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) > limit and not chat:
+            prompt_token_ids(body, chat, None, limit)  # raises for a token-id prompt that long
     if prompt_text_chars(body, chat) < OFF_LOOP_CHARS:
         return {}
     if callable(tokenizer_paths):
@@ -156,8 +174,15 @@ async def tokenize_off_loop(body: dict, chat: bool, tokenizer_paths) -> dict[str
     out = {}
     for path in tokenizer_paths:
         tokenizer = tokenizer_or_none(path)
-        if tokenizer is not None:
-            out[path] = await asyncio.to_thread(prompt_token_ids, body, chat, tokenizer)
+        if tokenizer is None:
+            continue
+        bound = limit or ROUTING_TOKEN_CAP
+        try:
+            out[path] = await asyncio.to_thread(prompt_token_ids, body, chat, tokenizer, bound)
+        except TooManyTokens:
+            if limit is not None:
+                raise
+            out[path] = None
     return out
 
 
@@ -179,4 +204,5 @@ def shape_request(
             return RequestShape(chain_digests(ids, block_size), len(ids), block_size, chat)
     text = routing_text(body, chat)
     # ~4 characters a token: good enough to weigh the work of a foreign engine's request
-    return RequestShape(text_digests(text), max(1, len(text) // 4), CHUNK_CHARS // 4, chat)
+    digests = text_digests(text[: 4 * ROUTING_TOKEN_CAP])
+    return RequestShape(digests, max(1, len(text) // 4), CHUNK_CHARS // 4, chat)

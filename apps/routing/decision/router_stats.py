@@ -68,6 +68,9 @@ class Histogram:
 PERSISTED_FIELDS = ("requests", "prompt_tokens", "cached_tokens", "predicted_tokens", "errors")
 
 
+OVERHEAD_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
 class RouterStats:
     """This process's routing counters. The per-target ones are also written to the Rank rows
     (apps/routing/feeds/persist.py) as increments; ``persisted`` is what has been written so far, so
@@ -81,6 +84,9 @@ class RouterStats:
         self.responses: dict[tuple[str, int], int] = {}  # (endpoint, HTTP status) -> answers sent
         self.latency = Histogram()  # dispatch to the end of the upstream answer, per routed request
         self.ttft = Histogram()  # dispatch to the first streamed token
+        # the router's own time per request: arrival to the upstream request sent, admission
+        # waits and earlier attempts left out (apps/routing/proxy/upstream.py)
+        self.overhead = Histogram(OVERHEAD_BUCKETS)
 
     def responded(self, endpoint: str, status: int) -> None:
         key = (endpoint, status)

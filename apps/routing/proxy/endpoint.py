@@ -5,7 +5,9 @@ stack runs its hooks through thread hops (measured: ~13 per request, ~5 ms added
 these two endpoints do not need: they have no session, no CSRF, no templates. So
 ``controlplane.asgi`` sends exactly these paths here and everything else to Django.
 
-This app takes the request in (access control, method, body) and hands it to
+This app takes the request in (access control, method, body: within the limits of
+apps/routing/proxy/limits.py, a body too large answered 413 before it is read, one that does not
+arrive within ``CONTROL_PLANE_BODY_TIMEOUT_S`` 408) and hands it to
 ``upstream.proxy_request``, which routes, sends and relays it. Access control is checked from the
 scope's headers before the body is read: when API keys are configured (apps/replicas/auth.py) a
 request without one of them is answered 401. Then the admission control
@@ -17,17 +19,29 @@ however the request ends.
 from __future__ import annotations
 
 import re
+import time
+
+from django.conf import settings
 
 from apps.replicas.auth import INVALID_API_KEY_BODY, api_key_allowed, scope_authorization
 from apps.routing.decision.router import Router
 from apps.routing.decision.sessions import session_of
+from apps.routing.proxy import limits
 from apps.routing.proxy.admission import Admission, Rejected, make_admission
 from apps.routing.proxy.upstream import ProxyError, proxy_request
-from serving.asgi import BodyTooLarge, ClientGone, read_body, send_body, until_disconnect
+from serving import memory
+from serving.asgi import (
+    BodyTimeout,
+    BodyTooLarge,
+    ClientGone,
+    declared_length,
+    read_body,
+    send_body,
+    until_disconnect,
+)
 from serving.openai_fields import APIError, rank_hint, strict_json
 
 PATHS = {"/v1/completions": False, "/v1/chat/completions": True}  # path -> chat?
-MAX_BODY_BYTES = 16 * 2**20
 PRIORITY = re.compile(r"[+-]?[0-9]{1,18}")
 
 
@@ -37,8 +51,11 @@ class OpenAIEndpoint:
     def __init__(self, router: Router, admission: Admission | None = None):
         self.router = router
         self.admission = admission or make_admission(router)
+        self.large_bodies = limits.LargeBodies()
+        self.body_timeout_s = settings.CONTROL_PLANE["BODY_TIMEOUT_S"]
 
     async def __call__(self, scope, receive, send) -> None:
+        arrived = time.perf_counter()
         path, stats = scope["path"], self.router.stats
 
         async def send(message, send=send):  # counts every answer by status for /metrics
@@ -50,43 +67,90 @@ class OpenAIEndpoint:
             auth = [(b"www-authenticate", b"Bearer")]
             await send_body(send, 401, INVALID_API_KEY_BODY, headers=auth)
             return
-        try:
-            if scope["method"] != "POST":
-                raise ProxyError(405, f"{scope['method']} {path} is not served here")
-            body = parse(await read_body(receive, MAX_BODY_BYTES))
-        except ClientGone:
+        if scope["method"] != "POST":
+            error = ProxyError(405, f"{scope['method']} {path} is not served here")
+            await send_body(send, error.status, error.body())
             return
+        limit = limits.body_limit(self.router.fleet.workers.values())
+        declared = declared_length(scope)
+        try:
+            held = self.large_bodies.take(declared if declared and declared <= limit else None)
+        except OverflowError as exc:
+            error = ProxyError(503, str(exc), "server_error")
+            await send_body(send, 503, error.body(), headers=[(b"retry-after", b"1")])
+            return
+        size = 0
+        try:
+            size = await self._read_and_serve(scope, receive, send, path, limit, arrived)
+        finally:
+            self.large_bodies.give_back(held)
+            if held or size >= limits.LARGE_BODY_BYTES:
+                memory.trim()  # the body, its prompt and its tokens are garbage now
+
+    async def _read_and_serve(
+        self, scope, receive, send, path: str, limit: int, arrived: float
+    ) -> int:
+        """Read the body, then serve it; the body's size in bytes (0 when none was read)."""
+        size = 0
+        try:
+            raw = await read_body(receive, limit, scope, self.body_timeout_s)
+            size = len(raw)
+            body = parse(raw)
+        except ClientGone:
+            return size
         except BodyTooLarge as exc:
             await send_body(send, 413, ProxyError(413, str(exc)).body())
-            return
+            return size
+        except BodyTimeout as exc:
+            await send_body(send, 408, ProxyError(408, str(exc)).body())
+            return size
         except ProxyError as exc:
             await send_body(send, exc.status, exc.body())
-            return
+            return size
         try:
             pin = client_rank(self.router, body, scope)
             priority = request_priority(scope)
         except ProxyError as exc:
             await send_body(send, exc.status, exc.body())
-            return
+            return size
         # the wait for admission runs under until_disconnect too: a client that leaves the queue
         # cancels it
         session = session_of(body, scope.get("headers"))
-        await until_disconnect(self._serve(body, path, send, pin, priority, session), receive)
+        serve = self._serve(body, path, send, pin, priority, session, arrived)
+        await until_disconnect(serve, receive)
+        return size
 
     async def _serve(
-        self, body: dict, path: str, send, rank: int | None, priority: int, session: str | None
+        self,
+        body: dict,
+        path: str,
+        send,
+        rank: int | None,
+        priority: int,
+        session: str | None,
+        arrived: float,
     ) -> None:
         """Admit the request (or answer why not), then proxy it, retries included; the slot is
-        released however that ends."""
+        released however that ends. The router's overhead counts from ``arrived``, less the
+        wait for admission."""
         try:
+            asked = time.perf_counter()
             slot = await self.admission.acquire(priority)
+            arrived += time.perf_counter() - asked
         except Rejected as exc:
             await send_body(send, exc.status, exc.body(), headers=exc.headers())
             return
         try:
             chat = PATHS[path]
             await proxy_request(
-                self.router, body, chat=chat, path=path, send=send, rank=rank, session=session
+                self.router,
+                body,
+                chat=chat,
+                path=path,
+                send=send,
+                rank=rank,
+                session=session,
+                since=arrived,
             )
         finally:
             slot.release()

@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 import random
+import time
 
 import aiohttp
 
@@ -32,10 +34,12 @@ from apps.routing.decision.dispatch import Dispatch
 from apps.routing.decision.request_shape import tokenize_off_loop
 from apps.routing.decision.router import NoTarget, Router
 from apps.routing.feeds import health
-from apps.routing.proxy import wire
+from apps.routing.proxy import limits, wire
 from controlplane import http
 from controlplane.errors import error_bytes
+from engine.tokenize_cache import TooManyTokens
 from serving.asgi import SSE_HEADERS, end_body, send_body, send_chunk
+from serving.openai_fields import APIError, too_long_message
 
 logger = logging.getLogger(__name__)
 
@@ -86,15 +90,29 @@ async def proxy_request(
     send,
     rank: int | None = None,
     session: str | None = None,
+    since: float | None = None,
 ) -> None:
     """Serve one request through the router; cancelled when the client disconnects. ``rank``:
     the client's own pin (endpoint.client_rank), else the router chooses; ``session``: the
-    client's session id (apps/routing/decision/sessions.py)."""
+    client's session id (apps/routing/decision/sessions.py); ``since``: when the router's own
+    work on it began (``time.perf_counter``; its arrival, moved on by an admission wait), from
+    which the overhead it reports is counted."""
+    since = time.perf_counter() if since is None else since
     model = body.get("model") if isinstance(body.get("model"), str) else None
     tried: set[str] = set()
     last: ProxyError | None = None
-    # a long text prompt is tokenized once, in worker threads, for every attempt
-    ids_by_path = await tokenize_off_loop(body, chat, lambda: router.tokenizer_paths(model))
+    # a long text prompt is tokenized once, in worker threads, for every attempt; no further
+    # than the longest context of the workers that could serve it (apps/routing/proxy/limits.py)
+    limit = limits.prompt_limit(router.fleet.candidates(model) or router.fleet.candidates(None))
+    try:
+        ids_by_path = await tokenize_off_loop(
+            body, chat, lambda: router.tokenizer_paths(model), limit
+        )
+    except TooManyTokens as exc:  # no worker could take it: the engine's own answer, here
+        message = too_long_message(exc.limit, exc.at_least, exact=False)
+        error = APIError(400, message, param="messages" if chat else "prompt")
+        await send_body(send, 400, json.dumps(error.body()).encode())
+        return
     for attempt in range(router.config.max_retries + 1):
         try:
             dispatch = router.route(
@@ -113,13 +131,17 @@ async def proxy_request(
         tried.add(dispatch.target.key)
         last_try = attempt == router.config.max_retries
         given = None if chat else wire.ids_for(router, dispatch.target, ids_by_path)
-        retry = await _attempt(router, dispatch, body, path, send, last_try=last_try, ids=given)
+        began = time.perf_counter()
+        retry = await _attempt(
+            router, dispatch, body, path, send, last_try=last_try, ids=given, since=since
+        )
         if retry is None:
             return
         last = retry
         logger.warning("retrying after %s (attempt %d)", retry.message, attempt + 1)
         backoff = router.config.retry_backoff_s * (1.5**attempt) * (1 + 0.2 * random.random())
         await asyncio.sleep(backoff)
+        since += time.perf_counter() - began  # the failed attempt and the backoff are not ours
     await send_body(send, last.status, last.body())
 
 
@@ -132,19 +154,23 @@ async def _attempt(
     *,
     last_try: bool,
     ids: list[int] | None = None,
+    since: float | None = None,
 ) -> ProxyError | None:
     """Send the request to the dispatch's target and relay the answer to the client. Returns
     the error to retry on another target when nothing reached the client, else None. ``ids``:
-    the prompt's token ids in the target's tokenizer, sent beside it (``wire.ids_for``)."""
+    the prompt's token ids in the target's tokenizer, sent beside it (``wire.ids_for``);
+    ``since``: where the router's overhead is counted from (``proxy_request``)."""
     target, config = dispatch.target, router.config
     stream = body.get("stream") is True
     ending = Ending()
     response = None
     try:
         try:
+            payload = wire.upstream_payload(body, dispatch, stream, ids)
+            overhead_s = time.perf_counter() - since if since is not None else None
             response = await http.client.get().post(
                 target.worker.url + path,
-                data=wire.upstream_payload(body, dispatch, stream, ids),
+                data=payload,
                 headers=wire.upstream_headers(dispatch),
                 timeout=_timeout(config.connect_timeout_s, config.request_timeout_s),
             )
@@ -171,7 +197,9 @@ async def _attempt(
             raw = await response.read()
             message = f"upstream {target.key} answered {response.status}"
             return ProxyError(response.status, message, "server_error", raw=raw or None)
-        headers = wire.route_headers(dispatch, response)
+        headers = wire.route_headers(dispatch, response, overhead_s)
+        if overhead_s is not None:
+            router.stats.overhead.observe(overhead_s)
         content_type = response.headers.get("content-type", "application/json")
         if response.status == 200 and stream and content_type.startswith("text/event-stream"):
             await _relay_stream(dispatch, response, wire.wants_usage(body), send, headers, ending)

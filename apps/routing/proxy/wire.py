@@ -6,7 +6,8 @@
   when made with the engine's own tokenizer: the engine then skips its encoding.
 - Streams always ask the engine for usage (``stream_options.include_usage``): the router needs
   each request's cached tokens; the usage-only event is dropped for a client that did not ask.
-- The answer names the target (``X-Routed-Target``) and the rank that served it.
+- The answer names the target (``X-Routed-Target``) and the rank that served it, and says what
+  the router's own work took (``X-Dpmesh-Overhead-Duration-Ms``).
 """
 
 from __future__ import annotations
@@ -68,8 +69,15 @@ def upstream_headers(dispatch: Dispatch) -> dict:
     return headers
 
 
-def route_headers(dispatch: Dispatch, response) -> list:
+OVERHEAD_HEADER = b"x-dpmesh-overhead-duration-ms"  # as LiteLLM's x-litellm-overhead-duration-ms
+
+
+def route_headers(dispatch: Dispatch, response, overhead_s: float | None = None) -> list:
+    """The target, the rank that served (ours, or the engine's own answer), and the router's
+    own time for this request in ms (``overhead_s``)."""
     headers = [(b"x-routed-target", dispatch.target.key.encode())]
+    if overhead_s is not None:
+        headers.append((OVERHEAD_HEADER, b"%.3f" % (overhead_s * 1000)))
     rank = dispatch.target.rank
     if rank is None:
         rank = response.headers.get("x-data-parallel-rank")

@@ -1,0 +1,156 @@
+"""Serving an ASGI app under uvicorn (uvloop and httptools), with the guards a server in front of
+untrusted clients needs and uvicorn lacks, and without uvicorn's own signal handling (the
+process's drain, serving/drain.py, owns SIGTERM and SIGINT, as it does under daphne).
+
+- A client must finish a request's line and headers within ``header_timeout_s`` (default
+  ``HEADER_TIMEOUT_S``) of its first byte (or of connecting): httptools sets no limit on either,
+  so a client sending a header byte a second held its connection, and the headers it sent,
+  forever. Past the timeout the connection is closed (nginx's ``client_header_timeout``; an
+  answer, 408, would need the request line it may not have).
+- At most ``MAX_CONNECTIONS`` connections and requests at once; past it uvicorn answers 503.
+- The body's own deadline is the application's (serving.asgi ``read_body``): uvicorn hands it
+  the body as it arrives.
+- ``Server.stop`` ends what still runs (a drain that ran out of time) before uvicorn's own
+  shutdown: each request's task is cancelled and its answer ended cleanly (a stream stops where
+  it was, without ``[DONE]``; one that had not started is a 503), where uvicorn would wait, then
+  cancel them itself and log each as an exception in the application.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from serving.asgi import send_json
+from serving.openai_fields import APIError
+
+HEADER_TIMEOUT_S = 20.0
+MAX_CONNECTIONS = 8192
+
+
+class GuardedHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with a deadline on each request's line and headers."""
+
+    header_timer: asyncio.TimerHandle | None = None
+    header_timeout_s: float = HEADER_TIMEOUT_S
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._arm()
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        if self.header_timer is None:
+            self._arm()
+
+    def on_headers_complete(self) -> None:
+        self._disarm()
+        super().on_headers_complete()
+
+    def connection_lost(self, exc) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        self.header_timer = self.loop.call_later(self.header_timeout_s, self._headers_late)
+
+    def _disarm(self) -> None:
+        if self.header_timer is not None:
+            self.header_timer.cancel()
+            self.header_timer = None
+
+    def _headers_late(self) -> None:
+        self.header_timer = None
+        if not self.transport.is_closing():
+            self.transport.close()
+
+
+class Server(uvicorn.Server):
+    cut: Cut
+
+    @contextlib.contextmanager
+    def capture_signals(self):  # the process's drain handles SIGTERM and SIGINT
+        yield
+
+    def stop(self) -> None:
+        """Cut whatever still runs, then let uvicorn shut down."""
+        self.cut.cutting = True
+        for task in list(self.server_state.tasks):
+            task.cancel()
+        self.should_exit = True
+
+
+class Cut:
+    """The ASGI app wrapped so that a request cancelled by ``Server.stop`` ends its answer (or,
+    a websocket, just ends) instead of raising into uvicorn."""
+
+    def __init__(self, app):
+        self.app, self.cutting = app, False
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            try:
+                return await self.app(scope, receive, send)
+            except asyncio.CancelledError:
+                if not self.cutting:
+                    raise
+                return None
+        started = ended = False
+
+        async def tracked(message):
+            nonlocal started, ended
+            if message["type"] == "http.response.start":
+                started = True
+            elif message["type"] == "http.response.body" and not message.get("more_body"):
+                ended = True
+            await send(message)
+
+        try:
+            return await self.app(scope, receive, tracked)
+        except asyncio.CancelledError:
+            if not self.cutting:
+                raise
+        if ended:
+            return None
+        if started:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        else:
+            await send_json(send, 503, APIError(503, "the server is stopping").body())
+        return None
+
+
+def make_server(
+    app,
+    host: str,
+    port: int,
+    backlog: int,
+    graceful_s: float,
+    header_timeout_s: float = HEADER_TIMEOUT_S,
+) -> Server:
+    """A uvicorn server of ``app`` on ``host:port``, to run on the current (uvloop) loop with
+    ``loop.run_until_complete(server.serve())``; ``server.stop()`` stops it."""
+    protocol = type(
+        "HttpProtocol", (GuardedHttpToolsProtocol,), {"header_timeout_s": header_timeout_s}
+    )
+    cut = Cut(app)
+    config = uvicorn.Config(
+        cut,
+        host=host,
+        port=port,
+        loop="none",
+        http=protocol,
+        ws="wsproto",
+        lifespan="off",
+        backlog=backlog,
+        limit_concurrency=MAX_CONNECTIONS,
+        log_level="warning",
+        access_log=False,
+        server_header=False,
+        timeout_graceful_shutdown=graceful_s,
+    )
+    server = Server(config)
+    server.cut = cut
+    return server
