@@ -36,6 +36,12 @@ def add_router_arguments(
         default=None,
         help="the ASGI server the router runs under (default: CONTROL_PLANE_SERVER, else uvicorn)",
     )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="router processes accepting on the port (N > 1 needs REDIS_URL: docs/operations.md)",
+    )
     add_routing_arguments(parser)
     add_admission_arguments(parser)
     add_access_key_arguments(parser)

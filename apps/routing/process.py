@@ -8,8 +8,13 @@ composed here, in ``RouterProcess``, and handed the router it needs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
+import os
+import signal
+import socket
+import time
 
 from django.conf import settings
 
@@ -30,6 +35,7 @@ from controlplane import http
 
 logger = logging.getLogger(__name__)
 
+RESPAWN_WINDOW_S, RESPAWN_LIMIT = 10.0, 3  # workers that die this soon, this often in a row: stop
 STOP_WAIT_S = 2.0  # at shutdown, for the background loops and the cut requests to end
 # connections the kernel holds for the router before it accepts them: uvicorn's default (vLLM's
 # and SGLang's servers); Twisted's own, 50, overflowed under a burst of 1,000 streams and those
@@ -66,8 +72,11 @@ class RouterProcess:
         worker_urls: list[str],
         policy_flag: str | None = None,
         overrides: dict | None = None,
+        jobs_here: bool | None = None,
     ):
         self.router, self.worker_urls, self.policy_flag = router, worker_urls, policy_flag
+        # the periodic jobs: here without a broker (or, of ``--workers N``, in the first worker)
+        self.jobs_here = jobs.embedded() if jobs_here is None else jobs_here
         self.overrides = overrides or None  # for each of worker_urls
         router.fleet.loading = True  # from before the socket listens until start() is done
         self.fleet_sync = FleetSync(router)
@@ -93,7 +102,7 @@ class RouterProcess:
         loops = [health_loop(router), stats_loop(router), self.fleet_sync.run()]
         if settings.CONTROL_PLANE["KV_EVENTS"]:
             loops.append(KVEventsFeed(router).run())  # it observes the router's dispatches
-        if jobs.embedded():
+        if self.jobs_here:
             loops.append(jobs.embedded_jobs_loop())
         if settings.REDIS_URL and settings.CONTROL_PLANE["SHARE_INDEX"]:
             # one channel per control plane: the processes that share a database share an index
@@ -106,7 +115,7 @@ class RouterProcess:
             len(self.worker_urls),
             router.config.policy,
             "dp-aware" if router.config.dp_aware else "worker-level",
-            "in this process" if jobs.embedded() else "on the Celery worker (REDIS_URL)",
+            "in this process" if self.jobs_here else "elsewhere (a Celery worker, or worker 0)",
         )
         if self.index_sync is not None:
             logger.info("prefix index and load shared with the other router processes (Redis)")
@@ -147,6 +156,17 @@ def serve_router(opts: dict, on_ready=None) -> None:
     server = opts.get("server") or settings.CONTROL_PLANE["SERVER"]
     if server not in SERVERS:
         raise ValueError(f"unknown server {server!r}; choose one of {list(SERVERS)}")
+    workers = opts.get("workers") or 1
+    if workers > 1:
+        serve_workers(opts, workers, server, on_ready)
+        return
+    _serve_one(opts, server, on_ready)
+
+
+def _serve_one(
+    opts: dict, server: str, on_ready=None, sock=None, jobs_here: bool | None = None
+) -> None:
+    """One router process, listening on ``sock`` when given (a worker of ``serve_workers``)."""
     if server == "daphne":
         from daphne.server import Server  # installs the asyncio reactor first
         from twisted.internet import reactor
@@ -168,7 +188,7 @@ def serve_router(opts: dict, on_ready=None) -> None:
         if opts.get(f"worker_{name}") is not None
     }
     process = RouterProcess(
-        router, list(opts.get("worker_urls") or []), opts.get("policy"), overrides
+        router, list(opts.get("worker_urls") or []), opts.get("policy"), overrides, jobs_here
     )
     loop.call_soon(lambda: asyncio.ensure_future(process.start()))
     host, port = opts.get("host") or "127.0.0.1", opts.get("port") or DEFAULT_ROUTER_PORT
@@ -178,7 +198,7 @@ def serve_router(opts: dict, on_ready=None) -> None:
     if server == "daphne":
         _run_daphne(Server, reactor, loop, app, process, host, port)
     else:
-        _run_uvicorn(loop, app, process, host, port)
+        _run_uvicorn(loop, app, process, host, port, sock)
 
 
 def _run_daphne(Server, reactor, loop, app, process: RouterProcess, host: str, port: int) -> None:
@@ -201,7 +221,7 @@ def _run_daphne(Server, reactor, loop, app, process: RouterProcess, host: str, p
     close_loop(loop)
 
 
-def _run_uvicorn(loop, app, process: RouterProcess, host: str, port: int) -> None:
+def _run_uvicorn(loop, app, process: RouterProcess, host: str, port: int, sock=None) -> None:
     from serving.drain import close_loop
     from serving.uvicorn_server import make_server
 
@@ -216,10 +236,86 @@ def _run_uvicorn(loop, app, process: RouterProcess, host: str, port: int) -> Non
 
     process.drain.install(loop, server.stop)
     try:
-        loop.run_until_complete(server.serve())
+        loop.run_until_complete(server.serve(sockets=[sock] if sock is not None else None))
         loop.run_until_complete(process.stop())
     finally:
         close_loop(loop)
+
+
+def serve_workers(opts: dict, workers: int, server: str, on_ready=None) -> None:
+    """``--workers N``: N router processes accepting on one listening socket (bound here, then
+    inherited by ``fork``: the kernel hands each connection to one of them), sharing their prefix
+    index, load, sessions' placement and the fleet through Redis and the database as separate
+    router processes do (docs/operations.md). The first worker also runs the periodic jobs (no
+    Celery worker needed). This process only supervises: it passes SIGTERM/SIGINT on (each
+    worker drains), and forks a worker that died again, unless they keep dying."""
+    from django.core.management.base import CommandError
+    from django.db import connections
+
+    if not settings.REDIS_URL:
+        raise CommandError(
+            f"--workers {workers} needs REDIS_URL: the worker processes share their prefix "
+            "index and load through Redis (e.g. REDIS_URL=redis://127.0.0.1:6379/0), and a "
+            "database they can all write (Postgres, DATABASE_URL; SQLite serves a few)"
+        )
+    if server != "uvicorn":
+        raise CommandError(f"--workers {workers} runs under uvicorn only (not --server {server})")
+    host, port = opts.get("host") or "127.0.0.1", opts.get("port") or DEFAULT_ROUTER_PORT
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(LISTEN_BACKLOG)
+    sock.set_inheritable(True)
+    connections.close_all()  # no database connection crosses a fork
+    children: dict[int, int] = {}  # pid -> worker index
+    started: dict[int, float] = {}
+    stopping = []
+
+    def spawn(index: int) -> None:
+        pid = os.fork()
+        if pid == 0:  # the worker
+            code = 0
+            try:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                signal.signal(signal.SIGINT, signal.SIG_DFL)
+                _serve_one(opts, server, sock=sock, jobs_here=index == 0)
+            except BaseException:
+                logger.exception("router worker %d failed", index)
+                code = 1
+            finally:
+                os._exit(code)
+        children[pid], started[index] = index, time.monotonic()
+
+    def forward(signum, _frame) -> None:
+        stopping.append(signum)
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+
+    for index in range(workers):
+        spawn(index)
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    logger.info("router: %d worker processes on %s:%d", workers, host, port)
+    if on_ready:
+        on_ready()
+    quick_deaths = 0
+    while children:
+        pid, status = os.wait()
+        index = children.pop(pid, None)
+        if index is None or stopping:
+            continue
+        lived = time.monotonic() - started[index]
+        logger.error(
+            "router worker %d (pid %d) exited (status %d) after %.0f s", index, pid, status, lived
+        )
+        quick_deaths = quick_deaths + 1 if lived < RESPAWN_WINDOW_S else 0
+        if quick_deaths > RESPAWN_LIMIT:
+            logger.error("router workers keep dying: stopping all")
+            forward(signal.SIGTERM, None)
+            continue
+        spawn(index)
+    sock.close()
 
 
 def _with_static(application, handler):

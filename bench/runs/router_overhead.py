@@ -201,20 +201,26 @@ def run(args) -> list[dict]:
         measure_ours(args, standin_url, tmp, script, results)
         if args.processes > 1:
             measure_processes(args, standin_url, tmp, script, results)
+        if args.workers > 1:
+            measure_workers(args, standin_url, tmp, script, results)
         measure_sglang(args, standin_url, tmp, script, results)
     return results
 
 
 def measure_ours(args, standin_url: str, tmp: Path, script: Path, results: list) -> None:
-    """One router process per policy, then (``--tokenizer-path``) cache_aware tokenizing."""
+    """One router process per policy and ASGI server (``--servers``), then (``--tokenizer-path``)
+    cache_aware tokenizing."""
     for policy in args.policies:
-        port = free_port()
-        cmd = router_command(standin_url, port=port, policy=policy)
-        env = {"DATABASE_URL": f"sqlite:///{tmp / ('router-' + policy + '.sqlite3')}"}
-        url = f"http://127.0.0.1:{port}"
-        with server(cmd, url + "/health", tmp / f"router-{policy}.log", env=env) as proc:
-            pid = proc.pid if args.profile else None
-            measure(f"dpmesh router {policy}", url, args, script, results, profile_pid=pid)
+        for name in args.servers:
+            port = free_port()
+            cmd = router_command(standin_url, "--server", name, port=port, policy=policy)
+            env = {"DATABASE_URL": f"sqlite:///{tmp / f'router-{policy}-{name}.sqlite3'}"}
+            url = f"http://127.0.0.1:{port}"
+            log = tmp / f"router-{policy}-{name}.log"
+            label = f"dpmesh router {policy}" + (f" ({name})" if len(args.servers) > 1 else "")
+            with server(cmd, url + "/health", log, env=env) as proc:
+                pid = proc.pid if args.profile else None
+                measure(label, url, args, script, results, profile_pid=pid)
     if args.tokenizer_path:
         port = free_port()
         cmd = router_command(
@@ -237,6 +243,25 @@ def measure_sglang(args, standin_url: str, tmp: Path, script: Path, results: lis
         url = f"http://127.0.0.1:{port}"
         with server(cmd, url + "/health", tmp / f"sglang-{policy}.log"):
             measure(f"sglang-router {policy}", url, args, script, results)
+
+
+def measure_workers(args, standin_url: str, tmp: Path, script: Path, results: list) -> None:
+    """One ``runrouter --workers N`` (cache_aware): N processes on one port, sharing through
+    Redis."""
+    import redis
+
+    redis.Redis.from_url(args.redis_url).flushdb()
+    env = {
+        "DATABASE_URL": args.database_url or f"sqlite:///{tmp / 'router-workers.sqlite3'}",
+        "REDIS_URL": args.redis_url,
+    }
+    port = free_port()
+    cmd = router_command(
+        standin_url, "--workers", str(args.workers), port=port, policy="cache_aware"
+    )
+    url = f"http://127.0.0.1:{port}"
+    with server(cmd, url + "/health", tmp / "router-workers.log", env=env):
+        measure(f"dpmesh router cache_aware --workers {args.workers}", url, args, script, results)
 
 
 def measure_processes(args, standin_url: str, tmp: Path, script: Path, results: list) -> None:
@@ -296,6 +321,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=int, default=10, help="seconds per wrk run")
     parser.add_argument("--connections", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--policies", nargs="+", default=["cache_aware", "round_robin"])
+    parser.add_argument(
+        "--servers", nargs="+", default=["uvicorn"], choices=["uvicorn", "daphne"],
+        help="the ASGI servers to run our router under (runrouter --server)",
+    )  # fmt: skip
     parser.add_argument("--sglang-policies", nargs="*", default=["round_robin", "cache_aware"])
     parser.add_argument(
         "--tokenizer-path",
@@ -312,6 +341,9 @@ def main(argv: list[str] | None = None) -> int:
         "--redis-url", default="redis://127.0.0.1:6379/14", help="for --processes (flushed)"
     )
     parser.add_argument("--database-url", help="for --processes (default: a shared SQLite file)")
+    parser.add_argument(
+        "--workers", type=int, default=1, help="also one runrouter --workers N (needs Redis)"
+    )
     parser.add_argument("--json", help="write the raw results here")
     parser.add_argument(
         "--profile", help="directory for py-spy flame graphs of our router (largest load)"

@@ -5,7 +5,10 @@ another."""
 from __future__ import annotations
 
 import json
+import os
 import queue
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
@@ -251,3 +254,50 @@ def test_the_served_volume_is_shared_so_each_process_evens_out_the_fleets_work()
     b.apply(json.dumps({"from": a.origin, "load": {}, "bye": True}))
     assert a.origin not in routers[1].volume.peers
     assert routers[1].volume.excess(keys) == pytest.approx({keys[0]: -1.0, keys[1]: 1.0}, abs=1e-3)
+
+
+def _cpu_ticks(pid: int) -> int:
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+@pytest.mark.slow
+def test_workers_n_accept_on_one_port_and_share_the_fleet(tmp_path, redis_url):
+    """``runrouter --workers 2``: two processes on one port, both serving, each counting the
+    other as a peer; SIGINT drains both and the command exits 0."""
+    env = {"DATABASE_URL": f"sqlite:///{tmp_path}/workers.sqlite3", "REDIS_URL": redis_url}
+    with StandIn(dp_size=4, model="standin-workers").start() as standin:
+        port = free_port()
+        cmd = router_command(standin.url, "--workers", "2", port=port)
+        with start(cmd, f"http://127.0.0.1:{port}", tmp_path / "workers.log", env=env) as router:
+            pid = router.proc.pid
+            children = [int(c) for c in open(f"/proc/{pid}/task/{pid}/children").read().split()]
+            assert len(children) == 2, children
+            assert wait_for(lambda: counter(router.url, "dpmesh_router_peers") == 1, timeout=5)
+            before = [_cpu_ticks(pid) for pid in children]
+            body = {"model": "standin-workers", "prompt": "hello", "max_tokens": 1}
+
+            def post(i: int) -> int:
+                with httpx.Client(timeout=30) as client:  # a connection each: the kernel picks
+                    return client.post(router.url + "/v1/completions", json=body).status_code
+
+            with ThreadPoolExecutor(8) as pool:
+                statuses = list(pool.map(post, range(240)))
+            assert statuses == [200] * 240
+            used = [_cpu_ticks(pid) - b for pid, b in zip(children, before, strict=True)]
+            assert min(used) > 0.2 * max(used), used  # both took a share of the connections
+            for _ in range(4):  # whichever process answers, it counts the other
+                assert counter(router.url, "dpmesh_router_peers") == 1
+            router.stop()
+            assert router.proc.returncode == 0, router.log()[-2000:]
+            assert not [pid for pid in children if os.path.exists(f"/proc/{pid}")]
+
+
+def test_workers_n_without_redis_says_what_it_needs(tmp_path):
+    env = {**os.environ, "DATABASE_URL": f"sqlite:///{tmp_path}/w.sqlite3", "REDIS_URL": ""}
+    done = subprocess.run(
+        [sys.executable, "manage.py", "runrouter", "--workers", "2", "--port", str(free_port())],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode != 0
+    assert "--workers 2 needs REDIS_URL" in done.stderr, done.stderr[-2000:]
