@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 
 JSON = b"application/json"
@@ -78,25 +77,29 @@ async def read_body(
 
 async def until_disconnect(work, receive):
     """Run ``work`` until it ends or the client disconnects; a disconnect cancels it (its own
-    cleanup then closes whatever it holds upstream). Re-raises what ``work`` raised."""
-    task = asyncio.ensure_future(work)
+    cleanup then closes whatever it holds upstream) and returns None. Re-raises what ``work``
+    raised. ``work`` runs in the calling task (one task less a request than running it beside
+    the watcher); the watcher cancels that task when the client goes."""
+    current = asyncio.current_task()
+    gone = False
 
     async def watch():
+        nonlocal gone
         while (await receive())["type"] != "http.disconnect":
             pass
+        gone = True
+        current.cancel()
 
     watcher = asyncio.ensure_future(watch())
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        return await work
+    except asyncio.CancelledError:
+        if not gone:
+            raise
+        current.uncancel()  # the client's leaving ends the work, not the request's handler
+        return None
     finally:
         watcher.cancel()
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-    if task.done() and not task.cancelled():
-        return task.result()
-    return None
 
 
 async def send_body(

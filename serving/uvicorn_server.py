@@ -148,6 +148,7 @@ def make_server(
         limit_concurrency=MAX_CONNECTIONS,
         log_level="warning",
         access_log=False,
+        proxy_headers=False,  # a client's X-Forwarded-For is not taken for its address
         server_header=False,
         timeout_graceful_shutdown=graceful_s,
     )

@@ -319,11 +319,17 @@ def serve_workers(opts: dict, workers: int, server: str, on_ready=None) -> None:
 
 
 def _with_static(application, handler):
-    """Serve the admin's and dashboard's static files from the app itself (no CDN, no nginx)."""
-    static_http = handler(application.application_mapping["http"])
+    """Serve the admin's and dashboard's static files from the app itself (no CDN, no nginx).
+    The OpenAI paths go straight to the application: no static file is under them."""
+    from apps.routing.proxy.endpoint import PATHS
+
+    http_app = application.application_mapping["http"]
+    static_http = handler(http_app)
 
     async def app(scope, receive, send):
         if scope["type"] == "http":
+            if scope["path"] in PATHS:
+                return await http_app(scope, receive, send)
             return await static_http(scope, receive, send)
         return await application(scope, receive, send)
 

@@ -93,9 +93,10 @@ def wants_usage(body: dict) -> bool:
 
 def usage_from_body(content: bytes) -> dict | None:
     try:
-        return json.loads(content).get("usage")
-    except (ValueError, AttributeError):
+        usage = msgspec.json.decode(content).get("usage")
+    except (msgspec.DecodeError, AttributeError):
         return None
+    return usage if isinstance(usage, dict) else None
 
 
 def usage_of(event: bytes) -> dict | None:

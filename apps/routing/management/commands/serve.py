@@ -48,6 +48,12 @@ class Command(BaseCommand):
             help="Bearer key for the workers API's mutations (repeatable)",
         )
         parser.add_argument(
+            "--router-workers",
+            type=int,
+            default=1,
+            help="router processes on the port (N > 1 needs REDIS_URL: docs/operations.md)",
+        )
+        parser.add_argument(
             "--engine-arg",
             action="append",
             default=[],
@@ -92,6 +98,7 @@ class Command(BaseCommand):
                     "port": o["port"],
                     "api_key": o["api_key"],
                     "admin_key": o["admin_key"],
+                    "workers": o["router_workers"],
                 },
                 on_ready=lambda: self.stdout.write(banner),
             )
