@@ -73,10 +73,12 @@ class RouterProcess:
         policy_flag: str | None = None,
         overrides: dict | None = None,
         jobs_here: bool | None = None,
+        jobs_where: str = "on the Celery worker (REDIS_URL)",
     ):
         self.router, self.worker_urls, self.policy_flag = router, worker_urls, policy_flag
         # the periodic jobs: here without a broker (or, of ``--workers N``, in the first worker)
         self.jobs_here = jobs.embedded() if jobs_here is None else jobs_here
+        self.jobs_where = jobs_where  # where they run when not here, for the log
         self.overrides = overrides or None  # for each of worker_urls
         router.fleet.loading = True  # from before the socket listens until start() is done
         self.fleet_sync = FleetSync(router)
@@ -115,7 +117,7 @@ class RouterProcess:
             len(self.worker_urls),
             router.config.policy,
             "dp-aware" if router.config.dp_aware else "worker-level",
-            "in this process" if self.jobs_here else "elsewhere (a Celery worker, or worker 0)",
+            "in this process" if self.jobs_here else self.jobs_where,
         )
         if self.index_sync is not None:
             logger.info("prefix index and load shared with the other router processes (Redis)")
@@ -164,7 +166,7 @@ def serve_router(opts: dict, on_ready=None) -> None:
 
 
 def _serve_one(
-    opts: dict, server: str, on_ready=None, sock=None, jobs_here: bool | None = None
+    opts: dict, server: str, on_ready=None, sock=None, jobs_here: bool | None = None, **where
 ) -> None:
     """One router process, listening on ``sock`` when given (a worker of ``serve_workers``)."""
     if server == "daphne":
@@ -188,7 +190,12 @@ def _serve_one(
         if opts.get(f"worker_{name}") is not None
     }
     process = RouterProcess(
-        router, list(opts.get("worker_urls") or []), opts.get("policy"), overrides, jobs_here
+        router,
+        list(opts.get("worker_urls") or []),
+        opts.get("policy"),
+        overrides,
+        jobs_here,
+        **where,
     )
     loop.call_soon(lambda: asyncio.ensure_future(process.start()))
     host, port = opts.get("host") or "127.0.0.1", opts.get("port") or DEFAULT_ROUTER_PORT
@@ -278,7 +285,7 @@ def serve_workers(opts: dict, workers: int, server: str, on_ready=None) -> None:
             try:
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
                 signal.signal(signal.SIGINT, signal.SIG_DFL)
-                _serve_one(opts, server, sock=sock, jobs_here=index == 0)
+                _serve_one(opts, server, sock=sock, jobs_here=index == 0, jobs_where="in worker 0")
             except BaseException:
                 logger.exception("router worker %d failed", index)
                 code = 1

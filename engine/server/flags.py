@@ -45,6 +45,13 @@ def _add_model_and_ranks(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enable-dp-attention", action="store_true")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT)
+    parser.add_argument(
+        "--server",
+        choices=("uvicorn", "daphne"),
+        default="uvicorn",
+        help="the ASGI server of the front (uvicorn: uvloop and httptools, header and body "
+        "deadlines; daphne: Twisted)",
+    )
 
 
 def _add_kv_and_scheduling(parser: argparse.ArgumentParser) -> None:

@@ -11,6 +11,7 @@ Arrows: the top of the engine. It imports ``engine.server.flags``, ``engine.serv
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import sys
@@ -174,15 +175,22 @@ def serve(args) -> int:
         format="%(asctime)s %(levelname)s [front] %(name)s: %(message)s",
     )
     logging.getLogger("transformers").setLevel(logging.WARNING)
-    # installs the asyncio reactor; must come before twisted.internet.reactor
-    from daphne.server import Server
-    from twisted.internet import reactor
+    if args.server == "daphne":
+        # installs the asyncio reactor; must come before twisted.internet.reactor
+        from daphne.server import Server
+        from twisted.internet import reactor
 
+        loop = reactor._asyncioEventloop
+    else:
+        import uvloop
+
+        loop = uvloop.new_event_loop()
+        asyncio.set_event_loop(loop)
     from engine.server.app import EngineApp
     from serving.drain import Drain, close_loop, stop_reactor
 
     client, tokenizer, model_path, dp_size, tp_size = build(args)
-    client.bind(reactor._asyncioEventloop)
+    client.bind(loop)
     if not client.wait_ready(args.startup_timeout):
         logger.error("engine failed to start: %s", client.health_reason())
         client.shutdown()
@@ -203,19 +211,25 @@ def serve(args) -> int:
         args.drain_timeout_secs,
         logger=logger,
     )
-    drain.install(reactor._asyncioEventloop, lambda: stop_reactor(reactor))
-    server = Server(
-        application=app,
-        endpoints=[f"tcp:port={args.port}:interface={args.host}"],
-        signal_handlers=False,  # drain.py's instead: Twisted's would cut every stream
-        verbosity=0,
-        application_close_timeout=5,
-    )
     try:
-        server.run()
+        if args.server == "daphne":
+            drain.install(loop, lambda: stop_reactor(reactor))
+            Server(
+                application=app,
+                endpoints=[f"tcp:port={args.port}:interface={args.host}"],
+                signal_handlers=False,  # drain.py's instead: Twisted's would cut every stream
+                verbosity=0,
+                application_close_timeout=5,
+            ).run()
+        else:
+            from serving.uvicorn_server import make_server
+
+            server = make_server(app, args.host, args.port, backlog=2048, graceful_s=2.0)
+            drain.install(loop, server.stop)
+            loop.run_until_complete(server.serve())
     finally:
         client.shutdown()
-        close_loop(reactor._asyncioEventloop)
+        close_loop(loop)
     return 0
 
 

@@ -2,6 +2,7 @@
 path, bad input, aborted streams, the openai client."""
 
 import json
+import socket
 
 import httpx
 import openai
@@ -220,6 +221,25 @@ def test_a_routers_token_ids_replace_the_text_prompts_encoding(engine):
 def test_wrong_method_and_path(engine):
     assert httpx.get(engine.url + "/v1/completions").status_code == 405
     assert httpx.get(engine.url + "/v1/nothing").status_code == 404
+
+
+def test_a_hostile_body_is_refused_before_it_is_read_and_a_huge_prompt_cheaply(engine):
+    # the front under uvicorn sees the Content-Length first: 413 with the 50 MB never sent
+    host, port = engine.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 50000000\r\n\r\n{"
+        )
+        assert sock.recv(4096).startswith(b"HTTP/1.1 413")
+    assert httpx.get(engine.url + "/server_info").json()["max_request_body_bytes"] == 65536
+    # a prompt far past max_model_len inside the body limit: tokenizing stops at the limit
+    r = post(engine.url, "completions", {"prompt": "w1 " * 20000, "max_tokens": 1})
+    assert r.status_code == 400, r.text
+    assert (
+        f"maximum context length is {MAX_MODEL_LEN} tokens; the prompt has at least"
+        in (r.json()["error"]["message"])
+    )
 
 
 def test_aborted_streams_and_bad_input_leave_nothing_held(engine):

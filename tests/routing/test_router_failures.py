@@ -460,10 +460,24 @@ def raw_exchange(url: str, head: bytes, timeout: float = 10.0) -> bytes:
     host, port = url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=timeout) as sock:
         sock.sendall(head)
+        answer = b""
         try:
-            return sock.recv(4096)
+            while True:  # the head, then as much body as its Content-Length says
+                chunk = sock.recv(4096)
+                answer += chunk
+                head_end = answer.find(b"\r\n\r\n")
+                if not chunk or head_end < 0:
+                    if not chunk:
+                        return answer
+                    continue
+                length = next(
+                    (int(line.split(b":")[1]) for line in answer[:head_end].split(b"\r\n")
+                     if line.lower().startswith(b"content-length:")), 0,
+                )  # fmt: skip
+                if len(answer) >= head_end + 4 + length:
+                    return answer
         except TimeoutError:
-            return b"(no answer)"
+            return answer or b"(no answer)"
 
 
 def test_a_body_past_the_fleets_limit_is_refused_before_it_is_read(cluster):
