@@ -22,6 +22,11 @@ import aiohttp
 # lasts as long as it generates); per-request timeouts narrow these
 CONNECTIONS = 4096
 DNS_CACHE_S = 300
+# an idle pooled connection is closed after this: shorter than the engines' servers keep one
+# (uvicorn's default, vLLM's and SGLang's: 5 s), so a request never goes out on a connection the
+# server is closing at that moment ("Can not write request body", 502: seen behind our engine
+# under uvicorn, 106 of 1,000 streams sent 5 s after the last ones ended)
+KEEPALIVE_S = 4.0
 
 
 def auth_headers(api_key: str) -> dict:
@@ -49,7 +54,10 @@ class ClientPerLoop:
         if session is None or session.closed:
             self._release_orphans()
             connector = aiohttp.TCPConnector(
-                limit=CONNECTIONS, limit_per_host=0, ttl_dns_cache=DNS_CACHE_S
+                limit=CONNECTIONS,
+                limit_per_host=0,
+                ttl_dns_cache=DNS_CACHE_S,
+                keepalive_timeout=KEEPALIVE_S,
             )
             # auto_decompress off: the proxy passes bodies through as the engine encoded them
             session = aiohttp.ClientSession(

@@ -8,6 +8,8 @@ process's drain, serving/drain.py, owns SIGTERM and SIGINT, as it does under dap
   forever. Past the timeout the connection is closed (nginx's ``client_header_timeout``; an
   answer, 408, would need the request line it may not have).
 - At most ``MAX_CONNECTIONS`` connections and requests at once; past it uvicorn answers 503.
+- Idle keep-alive connections are kept ``KEEPALIVE_S`` (75 s, as nginx), not uvicorn's 5 s, which
+  is shorter than common clients' pools keep them and made them race its close.
 - The body's own deadline is the application's (serving.asgi ``read_body``): uvicorn hands it
   the body as it arrives.
 - ``Server.stop`` ends what still runs (a drain that ran out of time) before uvicorn's own
@@ -29,6 +31,10 @@ from serving.openai_fields import APIError
 
 HEADER_TIMEOUT_S = 20.0
 MAX_CONNECTIONS = 8192
+# an idle keep-alive connection is kept this long (uvicorn's default is 5 s): longer than the
+# clients' pools keep theirs (httpx 5 s, aiohttp 15 s, the router's own 4 s), so a client does
+# not send a request on a connection this server is closing at that moment
+KEEPALIVE_S = 75.0
 
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
@@ -146,6 +152,7 @@ def make_server(
         lifespan="off",
         backlog=backlog,
         limit_concurrency=MAX_CONNECTIONS,
+        timeout_keep_alive=KEEPALIVE_S,
         log_level="warning",
         access_log=False,
         proxy_headers=False,  # a client's X-Forwarded-For is not taken for its address
