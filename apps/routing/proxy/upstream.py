@@ -154,7 +154,7 @@ async def _attempt(
     *,
     last_try: bool,
     ids: list[int] | None = None,
-    since: float | None = None,
+    since: float,
 ) -> ProxyError | None:
     """Send the request to the dispatch's target and relay the answer to the client. Returns
     the error to retry on another target when nothing reached the client, else None. ``ids``:
@@ -167,7 +167,7 @@ async def _attempt(
     try:
         try:
             payload = wire.upstream_payload(body, dispatch, stream, ids)
-            overhead_s = time.perf_counter() - since if since is not None else None
+            overhead_s = time.perf_counter() - since
             response = await http.client.get().post(
                 target.worker.url + path,
                 data=payload,
@@ -198,8 +198,7 @@ async def _attempt(
             message = f"upstream {target.key} answered {response.status}"
             return ProxyError(response.status, message, "server_error", raw=raw or None)
         headers = wire.route_headers(dispatch, response, overhead_s)
-        if overhead_s is not None:
-            router.stats.overhead.observe(overhead_s)
+        router.stats.overhead.observe(overhead_s)
         content_type = response.headers.get("content-type", "application/json")
         if response.status == 200 and stream and content_type.startswith("text/event-stream"):
             await _relay_stream(dispatch, response, wire.wants_usage(body), send, headers, ending)
