@@ -1,23 +1,41 @@
 """Single-token decode attention that reads the paged KV pool's blocks in place (no gather).
 
 ``engine/csrc/paged_decode.cpp`` is a small C++ torch extension, compiled with
-``torch.utils.cpp_extension.load`` at first use and cached by torch (``TORCH_EXTENSIONS_DIR``,
-default ``~/.cache/torch_extensions``; the cache key covers the source and flags, so an edit
-rebuilds it). Each (decode row, KV head) is one task of ``at::parallel_for``: the row's query
-heads that read that KV head walk its block table, block by block, with an online softmax in
-float32. The flags are plain ``-O3 -fopenmp``: the AVX-512 kernel is a function compiled for that
-target and chosen at run time (``__builtin_cpu_supports``), so the build runs on any x86 CPU (and
-elsewhere the portable loop).
+``torch.utils.cpp_extension`` at first use into a cache of our own: ``DPMESH_KERNEL_CACHE``,
+default ``~/.cache/dpmesh/kernels``, one directory per key (a digest of the source, the flags,
+torch's and Python's versions and the machine), so an edit or an upgrade builds a new one. Each
+(decode row, KV head) is one task of ``at::parallel_for``: the row's query heads that read that
+KV head walk its block table, block by block, with an online softmax in float32. The flags are
+plain ``-O3 -fopenmp``: the AVX-512 kernel is a function compiled for that target and chosen at
+run time (``__builtin_cpu_supports``), so the build runs on any x86 CPU (and elsewhere the
+portable loop).
 
-``load()`` returns the module or None (compile failed, no compiler, not built for this platform);
-the failure is logged once and the engine keeps its torch path.
+Why not torch's own cache: it guards a build with a lock *file* that its holder deletes when it
+is done, and a process killed while holding it (an engine SIGKILLed during start-up, a build
+interrupted) leaves the file behind, after which every later ``load`` waits for it forever, the
+engine's start and ``make test`` with it. Here a built kernel is imported straight from its
+file with no lock at all, and a build is serialized by ``flock`` on a lock file, which the kernel
+releases when its holder dies; the build goes to a fresh directory renamed into place when
+complete, so a half-built one is never seen. Waiting for another process's build is bounded
+(``BUILD_WAIT_S``), after which the engine takes its torch path.
+
+``load()`` returns the module or None (compile failed, no compiler, not built for this platform,
+the wait ran out); the failure is logged once and the engine keeps its torch path.
 """
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
+import importlib.util
 import logging
 import os
+import platform
+import shutil
+import sys
+import tempfile
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -27,28 +45,102 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
 NAME = "dpmesh_paged_decode"
 DTYPES = (torch.float32, torch.bfloat16)
+CFLAGS = ("-O3", "-fopenmp")
+BUILD_WAIT_S = 600.0  # the longest a process waits for another's build of the same kernel
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "module" (None when it failed), "error"
 
 
+def cache_root() -> Path:
+    """Where built kernels live (``DPMESH_KERNEL_CACHE``, default ``~/.cache/dpmesh/kernels``)."""
+    configured = os.environ.get("DPMESH_KERNEL_CACHE")
+    if configured:
+        return Path(configured)
+    cache_home = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(cache_home) / "dpmesh" / "kernels"
+
+
+def build_key() -> str:
+    """What a built kernel depends on: the source, the flags, torch, Python and the machine."""
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    for part in (*CFLAGS, torch.__version__, sys.version, platform.machine()):
+        digest.update(b"\0" + part.encode())
+    return digest.hexdigest()[:16]
+
+
+def _import(path: Path):
+    spec = importlib.util.spec_from_file_location(NAME, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def acquire(lock_path: Path, wait_s: float) -> int:
+    """An exclusive ``flock`` on ``lock_path`` (its fd; closing it releases), waiting at most
+    ``wait_s``; TimeoutError past that. The kernel drops the lock when its holder exits, killed
+    or not, so no lock outlives its process."""
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                os.close(fd)
+                raise TimeoutError(
+                    f"another process has been building the kernel for {wait_s:.0f} s "
+                    f"(it holds {lock_path})"
+                ) from None
+            time.sleep(0.2)
+
+
+def _build(root: Path, target: Path):
+    """Compile into a fresh directory under ``root`` and rename it to ``target`` once whole."""
+    from torch.utils.cpp_extension import load as load_extension
+
+    # the caller holds the lock: scratch directories left here are from killed builds, and a
+    # target without its .so was emptied by hand
+    for left in root.glob(f".{target.name}-*"):
+        shutil.rmtree(left, ignore_errors=True)
+    shutil.rmtree(target, ignore_errors=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=root))
+    try:
+        module = load_extension(
+            name=NAME,
+            sources=[str(SOURCE)],
+            extra_cflags=list(CFLAGS),
+            build_directory=str(scratch),
+            verbose=False,
+        )
+        os.rename(scratch, target)
+        return module
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)  # gone already when the rename happened
+
+
 def load():
-    """The compiled extension (built on first call, then torch's cache), or None."""
+    """The compiled extension (built on first call, imported from the cache after), or None."""
     with _lock:
         if "module" in _state:
             return _state["module"]
         module = None
         try:
-            from torch.utils.cpp_extension import load as load_extension
-
             if os.environ.get("DPMESH_DISABLE_CPP_KERNEL"):
                 raise RuntimeError("DPMESH_DISABLE_CPP_KERNEL is set")
-            module = load_extension(
-                name=NAME,
-                sources=[str(SOURCE)],
-                extra_cflags=["-O3", "-fopenmp"],
-                verbose=False,
-            )
-        except Exception as exc:  # compiler missing, build error, unsupported platform
+            root = cache_root()
+            target = root / f"{NAME}-{build_key()}"
+            built = target / f"{NAME}.so"
+            if built.exists():
+                module = _import(built)
+            else:
+                root.mkdir(parents=True, exist_ok=True)
+                fd = acquire(root / f"{target.name}.lock", BUILD_WAIT_S)
+                try:  # another process may have built it while this one waited
+                    module = _import(built) if built.exists() else _build(root, target)
+                finally:
+                    os.close(fd)
+        except Exception as exc:  # compiler missing, build error, unsupported platform, wait
             _state["error"] = f"{type(exc).__name__}: {str(exc).strip()[-2000:]}"
             logger.warning("paged decode kernel unavailable: %s", _state["error"])
         _state["module"] = module

@@ -16,7 +16,7 @@ from tests.conftest import _in_ci
 
 @pytest.fixture(scope="module")
 def kernel():
-    """The extension, compiled once per session (then torch's cache)."""
+    """The extension, compiled once (then imported from ~/.cache/dpmesh/kernels)."""
     module = paged_kernel.load()
     if module is None:
         # a laptop without a compiler runs the torch path only; CI has one (the build is part
@@ -159,3 +159,60 @@ def test_attention_impl_flag_and_validation():
     )
     args = parser.parse_args(["--attention-impl", "torch", "--device", "cpu"])
     assert main.engine_config(args, "tiny").attention_impl == "torch"
+
+
+def test_a_build_lock_dies_with_its_holder(tmp_path):
+    """A process killed while it builds leaves no lock behind (torch's lock file did, and every
+    later build, ``make test`` and engine starts waited on it forever)."""
+    import signal
+    import subprocess
+    import sys
+
+    lock = tmp_path / "k.lock"
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from engine.paged_kernel import acquire; "
+            f"acquire(__import__('pathlib').Path({str(lock)!r}), 5); print('held', flush=True); "
+            "time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(TimeoutError, match="building the kernel"):
+            paged_kernel.acquire(lock, 0.5)
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=10)
+        fd = paged_kernel.acquire(lock, 5)  # the kernel released the dead holder's lock
+        import os
+
+        os.close(fd)
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_built_kernel_is_imported_without_the_build_lock(kernel):
+    """Engines start by importing the built file: a build lock held elsewhere does not stop them."""
+    import os
+    import subprocess
+    import sys
+
+    root = paged_kernel.cache_root()
+    name = f"{paged_kernel.NAME}-{paged_kernel.build_key()}"
+    assert (root / name / f"{paged_kernel.NAME}.so").exists()
+    fd = paged_kernel.acquire(root / f"{name}.lock", 30)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "engine.paged_kernel"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "PYTHONPATH": os.getcwd()},
+        )
+    finally:
+        os.close(fd)
+    assert done.returncode == 0 and "built" in done.stdout, done.stdout + done.stderr

@@ -483,7 +483,11 @@ def raw_exchange(url: str, head: bytes, timeout: float = 10.0) -> bytes:
 def test_a_body_past_the_fleets_limit_is_refused_before_it_is_read(cluster):
     # the engines take max_model_len 32768 and report a 4 MiB body limit: the router holds
     # bodies to 32768 x 64 + 1 MiB (apps/routing/proxy/limits.py), and says so from the
-    # Content-Length alone, with the 50 MB body never sent
+    # Content-Length alone, with the 50 MB body never sent. The limit comes from what the router
+    # has learnt of the engines: run alone, this test may come before it has
+    assert wait_for(lambda: len(healthy_targets(cluster.url)) == 3, timeout=60), healthy_targets(
+        cluster.url
+    )
     limit = 32768 * 64 + 2**20
     head = (
         b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
