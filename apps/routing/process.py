@@ -12,14 +12,17 @@ import contextlib
 import gc
 import logging
 import os
+import shutil
 import signal
 import socket
+import tempfile
 import time
+from pathlib import Path
 
 from django.conf import settings
 
 from apps.replicas.services import worker_add
-from apps.routing import jobs
+from apps.routing import jobs, worker_metrics
 from apps.routing.decision.router import Router
 from apps.routing.feeds.fleet_sync import FleetSync
 from apps.routing.feeds.health import health_loop, probe_all
@@ -74,11 +77,13 @@ class RouterProcess:
         overrides: dict | None = None,
         jobs_here: bool | None = None,
         jobs_where: str = "on the Celery worker (REDIS_URL)",
+        restore_stats: bool = True,
     ):
         self.router, self.worker_urls, self.policy_flag = router, worker_urls, policy_flag
         # the periodic jobs: here without a broker (or, of ``--workers N``, in the first worker)
         self.jobs_here = jobs.embedded() if jobs_here is None else jobs_here
         self.jobs_where = jobs_where  # where they run when not here, for the log
+        self.restore_stats = restore_stats  # counters start from the rows (feeds/persist.py)
         self.overrides = overrides or None  # for each of worker_urls
         router.fleet.loading = True  # from before the socket listens until start() is done
         self.fleet_sync = FleetSync(router)
@@ -101,7 +106,9 @@ class RouterProcess:
         except Exception:  # /health stays 503: this process has no fleet to serve
             logger.exception("router startup failed")
             raise
-        loops = [health_loop(router), stats_loop(router), self.fleet_sync.run()]
+        loops = [health_loop(router), stats_loop(router, self.restore_stats), self.fleet_sync.run()]
+        if worker_metrics.shared():  # a worker of --workers N: /metrics adds up all of them
+            loops.append(worker_metrics.publish_loop(router))
         if settings.CONTROL_PLANE["KV_EVENTS"]:
             loops.append(KVEventsFeed(router).run())  # it observes the router's dispatches
         if self.jobs_here:
@@ -166,7 +173,13 @@ def serve_router(opts: dict, on_ready=None) -> None:
 
 
 def _serve_one(
-    opts: dict, server: str, on_ready=None, sock=None, jobs_here: bool | None = None, **where
+    opts: dict,
+    server: str,
+    on_ready=None,
+    sock=None,
+    jobs_here: bool | None = None,
+    restore_stats: bool = True,
+    **where,
 ) -> None:
     """One router process, listening on ``sock`` when given (a worker of ``serve_workers``)."""
     if server == "daphne":
@@ -195,6 +208,7 @@ def _serve_one(
         opts.get("policy"),
         overrides,
         jobs_here,
+        restore_stats=restore_stats,
         **where,
     )
     loop.call_soon(lambda: asyncio.ensure_future(process.start()))
@@ -254,8 +268,10 @@ def serve_workers(opts: dict, workers: int, server: str, on_ready=None) -> None:
     inherited by ``fork``: the kernel hands each connection to one of them), sharing their prefix
     index, load, sessions' placement and the fleet through Redis and the database as separate
     router processes do (docs/operations.md). The first worker also runs the periodic jobs (no
-    Celery worker needed). This process only supervises: it passes SIGTERM/SIGINT on (each
-    worker drains), and forks a worker that died again, unless they keep dying."""
+    Celery worker needed). /metrics adds up every worker's numbers (apps/routing/worker_metrics.py,
+    through files in a directory made here). This process only supervises: it passes
+    SIGTERM/SIGINT on (each worker drains), and forks a worker that died again, unless they keep
+    dying."""
     from django.core.management.base import CommandError
     from django.db import connections
 
@@ -274,18 +290,27 @@ def serve_workers(opts: dict, workers: int, server: str, on_ready=None) -> None:
     sock.listen(LISTEN_BACKLOG)
     sock.set_inheritable(True)
     connections.close_all()  # no database connection crosses a fork
+    published = Path(tempfile.mkdtemp(prefix="dpmesh-router-metrics-"))
     children: dict[int, int] = {}  # pid -> worker index
     started: dict[int, float] = {}
     stopping = []
 
-    def spawn(index: int) -> None:
+    def spawn(index: int, again: bool = False) -> None:
         pid = os.fork()
         if pid == 0:  # the worker
             code = 0
             try:
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
                 signal.signal(signal.SIGINT, signal.SIG_DFL)
-                _serve_one(opts, server, sock=sock, jobs_here=index == 0, jobs_where="in worker 0")
+                worker_metrics.configure(published, index)
+                _serve_one(
+                    opts,
+                    server,
+                    sock=sock,
+                    jobs_here=index == 0,
+                    restore_stats=index == 0 and not again,  # the history, counted once
+                    jobs_where="in worker 0",
+                )
             except BaseException:
                 logger.exception("router worker %d failed", index)
                 code = 1
@@ -321,8 +346,10 @@ def serve_workers(opts: dict, workers: int, server: str, on_ready=None) -> None:
             logger.error("router workers keep dying: stopping all")
             forward(signal.SIGTERM, None)
             continue
-        spawn(index)
+        worker_metrics.retire(published, index)  # its counts stay in the fleet's /metrics
+        spawn(index, again=True)
     sock.close()
+    shutil.rmtree(published, ignore_errors=True)
 
 
 def _with_static(application, handler):

@@ -9,8 +9,8 @@ from __future__ import annotations
 from django.http import HttpResponse, JsonResponse
 
 from apps.replicas.auth import api_key_allowed, invalid_api_key_response
+from apps.routing import worker_metrics
 from apps.routing.live import router_of
-from apps.routing.metrics import render_metrics
 
 
 async def models(request):
@@ -39,5 +39,6 @@ async def health(request):
 
 async def metrics(request):
     return HttpResponse(
-        render_metrics(router_of(request)), content_type="text/plain; version=0.0.4; charset=utf-8"
+        worker_metrics.render(router_of(request)),
+        content_type="text/plain; version=0.0.4; charset=utf-8",
     )

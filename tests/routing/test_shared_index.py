@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import signal
 import subprocess
 import sys
 import time
@@ -261,17 +262,28 @@ def _cpu_ticks(pid: int) -> int:
     return int(fields[11]) + int(fields[12])  # utime + stime
 
 
+def _children(pid: int) -> list[int]:
+    return [int(c) for c in open(f"/proc/{pid}/task/{pid}/children").read().split()]
+
+
+def _scrapes(url: str, name: str, times: int = 6) -> set[float]:
+    """``name``'s total over ``times`` scrapes, each on a connection of its own (the kernel
+    hands each to either worker)."""
+    return {counter(url, name) for _ in range(times)}
+
+
 @pytest.mark.slow
 def test_workers_n_accept_on_one_port_and_share_the_fleet(tmp_path, redis_url):
     """``runrouter --workers 2``: two processes on one port, both serving, each counting the
-    other as a peer; SIGINT drains both and the command exits 0."""
+    other as a peer, either answering /metrics for both; a worker killed is forked again and its
+    counts stay; SIGINT drains both and the command exits 0."""
     env = {"DATABASE_URL": f"sqlite:///{tmp_path}/workers.sqlite3", "REDIS_URL": redis_url}
     with StandIn(dp_size=4, model="standin-workers").start() as standin:
         port = free_port()
         cmd = router_command(standin.url, "--workers", "2", port=port)
         with start(cmd, f"http://127.0.0.1:{port}", tmp_path / "workers.log", env=env) as router:
             pid = router.proc.pid
-            children = [int(c) for c in open(f"/proc/{pid}/task/{pid}/children").read().split()]
+            children = _children(pid)
             assert len(children) == 2, children
             assert wait_for(lambda: counter(router.url, "dpmesh_router_peers") == 1, timeout=5)
             before = [_cpu_ticks(pid) for pid in children]
@@ -288,6 +300,20 @@ def test_workers_n_accept_on_one_port_and_share_the_fleet(tmp_path, redis_url):
             assert min(used) > 0.2 * max(used), used  # both took a share of the connections
             for _ in range(4):  # whichever process answers, it counts the other
                 assert counter(router.url, "dpmesh_router_peers") == 1
+            # and /metrics is the fleet's: both workers' answers, whichever worker is asked
+            total = "dpmesh_router_requests_total"
+            assert wait_for(lambda: _scrapes(router.url, total) == {240.0}, timeout=10)
+            assert _scrapes(router.url, "dpmesh_router_workers") == {2.0}
+            # a worker killed is forked again; what it counted stays counted
+            os.kill(children[1], signal.SIGKILL)
+            assert wait_for(lambda: len(_children(pid)) == 2 and children[1] not in _children(pid))
+            assert wait_for(lambda: _scrapes(router.url, "dpmesh_router_workers") == {2.0}, 30)
+            with ThreadPoolExecutor(4) as pool:
+                assert list(pool.map(post, range(20))) == [200] * 20
+            assert wait_for(lambda: _scrapes(router.url, total) == {260.0}, timeout=10), _scrapes(
+                router.url, total
+            )
+            children = _children(pid)
             router.stop()
             assert router.proc.returncode == 0, router.log()[-2000:]
             assert not [pid for pid in children if os.path.exists(f"/proc/{pid}")]

@@ -60,8 +60,12 @@ async def persist_stats(router) -> None:
         router.stats.persisted.update(snapshots)
 
 
-async def stats_loop(router) -> None:
-    await restore_stats(router)
+async def stats_loop(router, restore: bool = True) -> None:
+    """Persist ``router``'s counts every interval, having started them from the rows (unless
+    ``restore`` is False: a worker of ``--workers N`` other than the first start of worker 0,
+    apps/routing/worker_metrics.py, so that the history is counted once)."""
+    if restore:
+        await restore_stats(router)
     while True:
         await asyncio.sleep(router.config.stats_persist_interval_s)
         try:
