@@ -127,6 +127,9 @@ CONTROL_PLANE = namespaced_settings(
         "CACHE_THRESHOLD": 0.3,
         "BALANCE_ABS_THRESHOLD": 64,
         "BALANCE_REL_THRESHOLD": 1.5,
+        # cache_aware's choice checked against the learned time model (docs/routing.md, "The
+        # time model"); CONTROL_PLANE_TIME_CHECK=false routes by the policy's token costs alone
+        "TIME_CHECK": True,
         "HEALTH_CHECK_INTERVAL_S": 10.0,
         "REQUEST_TIMEOUT_S": 600.0,
         # Access control. Comma-separated lists; empty means none configured.

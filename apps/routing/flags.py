@@ -90,6 +90,13 @@ def add_routing_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="cache_aware: prefill-token cost of each request already running on a rank",
     )
+    parser.add_argument(
+        "--time-check",
+        choices=["on", "off"],
+        default=None,
+        help="cache_aware: send a request elsewhere than the policy chose when the learned time "
+        "model expects its first token clearly sooner there (default on; CONTROL_PLANE_TIME_CHECK)",
+    )
     parser.add_argument("--health-check-interval-secs", type=float, default=None)
     parser.add_argument("--health-failure-threshold", type=int, default=None)
     parser.add_argument("--health-success-threshold", type=int, default=None)
@@ -211,6 +218,7 @@ def config_from_settings(**overrides) -> RouterConfig:
         saturation_queued_prefill_tokens=cp.get("SATURATION_QUEUED_PREFILL_TOKENS", 0),
         saturation_kv_usage=cp.get("SATURATION_KV_USAGE", 0.0),
         drain_timeout_s=cp.get("DRAIN_TIMEOUT_S", 25.0),
+        time_check=cp.get("TIME_CHECK", True),
     )
     for key, value in overrides.items():
         if value is not None:
@@ -225,7 +233,9 @@ def config_from_settings(**overrides) -> RouterConfig:
 
 def config_from_options(opts: dict) -> RouterConfig:
     """From ``runrouter``'s options (``add_router_arguments``)."""
+    time_check = opts.get("time_check")
     return config_from_settings(
         dp_aware=bool(opts.get("dp_aware")),
+        time_check=None if time_check is None else time_check == "on",
         **{field: opts.get(option) for option, field in OPTION_FIELDS.items()},
     )

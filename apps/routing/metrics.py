@@ -100,6 +100,12 @@ class RouterCollector:
             "Upstream attempts retried on another target",
             value=self.router.stats.retries,
         )
+        yield CounterMetricFamily(
+            f"{PREFIX}_time_check_overrides",
+            "Requests the time check sent elsewhere than the policy chose: the time model "
+            "expected a clearly sooner first token there",
+            value=self.router.stats.time_checked,
+        )
         yield from _tokenizer_families()
         yield CounterMetricFamily(
             f"{PREFIX}_no_target",

@@ -23,6 +23,8 @@ import json
 import tempfile
 from pathlib import Path
 
+import httpx
+
 from bench import datasets
 from bench.oracle import oracle_cached
 from bench.runs.routers_on_our_engine import measure, row, tokenizer
@@ -89,6 +91,10 @@ def run_workload(spec, args, tok, server, base: str, concurrency: int, round_: i
           f"vs-allowed {r['hits_vs_oracle']:.3f} max/mean {r['prompt_max_mean']:.2f} "
           f"TTFT p50 {r['ttft_p50_ms']:.0f} mean {r['ttft_mean_ms']:.0f} "
           f"p99 {r['ttft_p99_ms']:.0f} ms total {duration_s:.1f} s", flush=True)  # fmt: skip
+    if spec.startswith("dpmesh"):  # what our router's time model learnt so far
+        workers = httpx.get(base + "/workers", timeout=10).json()["workers"]
+        r["timing"] = [w.get("timing") for w in workers]
+        print(f"    time model: {r['timing']}", flush=True)
     return r
 
 

@@ -14,6 +14,7 @@ from apps.routing.decision.timing import (
     Timing,
     WorkerTiming,
 )
+from apps.routing.metrics import render_metrics
 from tests.routing.helpers import targets, worker_view
 
 
@@ -141,3 +142,59 @@ def test_the_fit_is_on_metrics_per_worker():
         0.05, abs=0.005
     )
     assert 'dpmesh_router_ttft_move_significant{worker="http://w1"} 1.0' in text
+
+
+def trained(move_s: float = 0.0, per_running_s: float = 0.0, seed: int = 5) -> Router:
+    """A router whose one worker (DP 2) has a fit learnt from ``TTFT = 20 ms + 20 us a token
+    + move_s when woken + per_running_s a running request``."""
+    router = Router(RouterConfig(policy="cache_aware"), rng=random.Random(0))
+    router.fleet.put(worker_view(1, dp_size=2, block_size=None, tokenizer_path=None))
+    rng, timing = random.Random(seed), router.timing.of(1)
+    for i in range(120):
+        tokens, moved, running = rng.choice((64, 256, 640)), i % 3 == 0, rng.choice((0, 0, 2, 6))
+        seconds = 0.02 + 20e-6 * tokens + (move_s if moved else 0) + per_running_s * running
+        timing.observe(tokens, moved, seconds + rng.gauss(0, 0.002), running)
+    return router
+
+
+def one_at_a_time(router: Router, prompts: list[str]) -> list[str]:
+    keys = []
+    for prompt in prompts:
+        d = router.route({"prompt": prompt}, chat=False, model=None)
+        d.first_token()
+        d.finish(ok=True)
+        keys.append(d.target.key)
+    return keys
+
+
+def test_an_idle_fleet_stays_on_the_warm_rank_where_waking_one_costs_time():
+    prompts = [f"prefix {i} " * 40 for i in range(8)]
+    router = trained(move_s=0.3)
+    assert router.timing.workers[1].fit.move_significant
+    keys = one_at_a_time(router, prompts)
+    assert len(set(keys)) == 1, keys  # every new prefix on the rank used last
+    assert router.stats.time_checked > 0
+    # where a move costs nothing, the policy spreads new prefixes over the idle ranks as before
+    free = trained(move_s=0.0)
+    assert not free.timing.workers[1].fit.move_significant
+    assert len(set(one_at_a_time(free, prompts))) == 2
+    assert free.stats.time_checked == 0
+
+
+def test_a_busy_holder_loses_requests_when_its_queue_costs_more_than_a_recompute():
+    prompt = "shared system prompt " * 30
+    for per_running_s, spread in ((0.05, True), (0.0, False)):
+        router = trained(per_running_s=per_running_s)
+        assert router.timing.workers[1].fit.running_significant is spread
+        home = one_at_a_time(router, [prompt + "q0"])[0]
+        held = [router.route({"prompt": prompt + f"q{i}"}, False, None) for i in range(1, 8)]
+        keys = [d.target.key for d in held]
+        if spread:  # a running request costs 50 ms there, the prompt ~3 ms on the idle rank
+            assert keys[0] == home and len(set(keys)) == 2, keys
+            assert router.stats.time_checked > 0
+        else:  # no measured cost of a queue: CacheAware keeps the prefix's requests on its holder
+            assert set(keys) == {home} and router.stats.time_checked == 0
+        text = render_metrics(router).decode()
+        assert (
+            f"dpmesh_router_time_check_overrides_total {float(router.stats.time_checked)}" in text
+        )

@@ -16,6 +16,8 @@ class RouterConfig:
     balance_abs_threshold: int = 64
     balance_rel_threshold: float = 1.5
     decode_weight: float = 16.0
+    # CacheAware's choice checked against the learned time model (Router._quicker)
+    time_check: bool = True
     prefix_ttl_s: float = 600.0
     session_ttl_s: float = 600.0
     request_timeout_s: float = 600.0

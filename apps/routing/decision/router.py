@@ -27,6 +27,11 @@ from apps.routing.decision.timing import Timing
 
 logger = logging.getLogger(__name__)
 
+# the time check overrides the policy's choice only for a clearly quicker first token: by more
+# than this many seconds and by more than this share of the quicker one's predicted TTFT
+TIME_CHECK_FLOOR_S = 0.02
+TIME_CHECK_RATIO = 0.5
+
 
 class NoTarget(Exception):
     """No available target serves the requested model."""
@@ -100,16 +105,12 @@ class Router:
         primary.volume_excess = self.volume.excess([t.key for t in candidates])
         home = self.sessions.home(session, candidates) if session else None
         target = home or self.policy.choose(candidates, primary, matched, shared)
+        if home is None and self.config.time_check and self.policy.name == "cache_aware":
+            target = self._quicker(target, candidates, shapes, matched, primary)
         if session:
             self.sessions.record(session, target.key, kept=home is not None)
         shape = shapes[target.key]
-        predicted = (
-            min(
-                matched.get(target.key, 0) * primary.block_tokens // shape.block_tokens,
-                shape.hittable_blocks,
-            )
-            * shape.block_tokens
-        )
+        predicted = self._cached_tokens(target, shape, matched, primary)
         # A session's turn: its private history is already there (it continues), or a chat request
         # with none anywhere (a conversation starts here and its next turns will follow). Counting
         # starts at once matters: a burst of new conversations is placed before any of them has a
@@ -137,6 +138,50 @@ class Router:
             observers=self.observers,
             timing=sample,
         )
+
+    @staticmethod
+    def _cached_tokens(target: Target, shape: RequestShape, matched, primary) -> int:
+        """The prompt tokens the index expects ``target`` to have cached (``matched`` counts
+        ``primary``'s blocks; ``shape`` is the request in ``target``'s)."""
+        blocks = matched.get(target.key, 0) * primary.block_tokens // shape.block_tokens
+        return min(blocks, shape.hittable_blocks) * shape.block_tokens
+
+    def _quicker(self, chosen: Target, candidates, shapes, matched, primary) -> Target:
+        """The time check (``RouterConfig.time_check``): ``chosen`` unless the time model
+        (apps/routing/decision/timing.py) expects another candidate's first token clearly sooner:
+        by more than ``TIME_CHECK_FLOOR_S`` and by more than ``TIME_CHECK_RATIO`` of the quicker
+        one's. The policy counts tokens and their future (what a copy costs the next requests);
+        this catches where its token weights misjudge the present on an engine: waking an idle
+        rank that costs a measured second, a queue that costs more than recomputing a prefix.
+        It judges only with the evidence for the case at hand: an idle fleet where every
+        candidate's worker shows a significant move cost, a busy one where each shows a
+        significant cost per running request (apps/routing/decision/timing.py); anywhere else
+        the policy's choice stands, so a fleet the model knows nothing about is routed by the
+        policy alone."""
+        if len(candidates) < 2:
+            return chosen
+        # what the model must know to judge: on an idle fleet what waking a rank costs, on a
+        # busy one what a running request costs; without it, the policy's choice stands
+        busy = any(t.load.inflight for t in candidates)
+        timings = {t.worker.worker_id: self.timing.of(t.worker.worker_id) for t in candidates}
+        fits = {worker_id: timing.recent_fit() for worker_id, timing in timings.items()}
+        if not all(f.running_significant if busy else f.move_significant for f in fits.values()):
+            return chosen
+        predictions = {}
+        for t in candidates:
+            timing, shape = timings[t.worker.worker_id], shapes[t.key]
+            wait = shape.prompt_tokens - self._cached_tokens(t, shape, matched, primary)
+            predictions[t.key] = fits[t.worker.worker_id].predict(
+                wait + t.load.queued_prefill_tokens,
+                t.load.inflight,
+                Timing.would_move(timing, t),
+            )
+        quickest = min(candidates, key=lambda t: predictions[t.key])
+        gain = predictions[chosen.key] - predictions[quickest.key]
+        if gain > TIME_CHECK_FLOOR_S and gain > TIME_CHECK_RATIO * predictions[quickest.key]:
+            self.stats.time_checked += 1
+            return quickest
+        return chosen
 
     def tokenizer_paths(self, model: str | None) -> set[str]:
         """The tokenizers the candidates for ``model`` digest prompts with."""

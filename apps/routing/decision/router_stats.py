@@ -81,6 +81,7 @@ class RouterStats:
         self.persisted: dict[str, dict[str, int]] = {}  # target key -> counters in the database
         self.retries = 0
         self.no_target = 0
+        self.time_checked = 0  # policy choices the time check replaced (Router._quicker)
         self.responses: dict[tuple[str, int], int] = {}  # (endpoint, HTTP status) -> answers sent
         self.latency = Histogram()  # dispatch to the end of the upstream answer, per routed request
         self.ttft = Histogram()  # dispatch to the first streamed token

@@ -2,7 +2,7 @@
 
 The policy counts prefill tokens; users buy time to first token. Per worker, the router fits
 
-    TTFT = base + per_token x wait tokens + move x moved
+    TTFT = base + per_token x wait tokens + move x moved + per_running x running
 
 over the requests it dispatched there (each at its first token), by least squares with old
 samples fading (``WINDOW``):
@@ -14,6 +14,8 @@ samples fading (``WINDOW``):
   one engine share a host: on some (an engine whose idle ranks spin down, or busy-poll the cores
   the others need) waking a rank that sat idle costs time the prompt's size does not explain;
   on others (the simulated engine, GPUs with their graphs ready) it costs nothing;
+- ``running``: the requests in flight on the target when it was sent (every router process's):
+  what a queue costs beyond its prefill tokens (decode steps shared, seats taken);
 - ``per_token``: seconds per prompt token waited for, so ``move`` converts to the policy's unit.
 
 ``move`` is judged significant once there are at least ``MIN_SAMPLES`` requests of each kind
@@ -28,12 +30,14 @@ steer the policy yet: keeping an idle fleet's work on the rank used last wins wh
 concentrates then stay on that rank when load comes, because CacheAware's token costs never
 trade a cached prefix for a shorter queue (docs/routing.md, "The time model").
 
-Pure: no I/O, no clock of its own (the dispatch measures the TTFT and calls ``observe``).
+No I/O; the dispatch measures the TTFT and calls ``observe`` (the only clock here paces the
+hot path's re-solving, ``recent_fit``).
 """
 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 WINDOW = 256  # samples: each one's weight halves after about WINDOW x ln 2 newer ones
@@ -41,6 +45,7 @@ MIN_SAMPLES = 6.0  # of each kind (moved, stayed), as faded counts
 SIGNIFICANCE = 2.0  # standard errors
 PER_TOKEN_FLOOR_S = 1e-6  # a fit that finds waiting free is noise: a microsecond a token at least
 MOVE_CAP_TOKENS = 8192.0
+REFIT_SAMPLES, REFIT_S = 8, 0.25  # the hot path's fit is at most this many samples or seconds old
 # wait tokens enter the fit in thousands, so the normal equations stay well conditioned
 TOKEN_SCALE = 1000.0
 
@@ -57,6 +62,9 @@ class TimingFit:
     stayed: float
     move_log: float = 0.0  # the move's effect on log(TTFT), and its standard error
     move_log_se: float = math.inf
+    per_running_s: float = 0.0  # seconds of TTFT per request already in flight on the target
+    per_running_se_s: float = math.inf
+    busy: float = 0.0  # faded count of samples sent where something was in flight
 
     @property
     def known(self) -> bool:
@@ -74,16 +82,38 @@ class TimingFit:
             return 0.0
         return min(MOVE_CAP_TOKENS, self.move_s / max(self.per_token_s, PER_TOKEN_FLOOR_S))
 
+    @property
+    def running_significant(self) -> bool:
+        """Whether a request in flight measurably delays the next one's first token."""
+        return (
+            self.busy >= MIN_SAMPLES
+            and self.stayed + self.moved - self.busy >= MIN_SAMPLES
+            and self.per_running_s > SIGNIFICANCE * self.per_running_se_s
+        )
+
+    def predict(self, wait_tokens: float, running: int, moved: bool) -> float:
+        """Expected TTFT (seconds) of a request sent with these figures; a term counts only
+        where its evidence does (a wait never makes a request faster)."""
+        seconds = self.base_s + max(self.per_token_s, 0.0) * wait_tokens
+        if self.running_significant:
+            seconds += self.per_running_s * running
+        if moved and self.move_significant:
+            seconds += self.move_s
+        return seconds
+
     def as_dict(self) -> dict:
-        se = self.move_se_s
+        se, running_se = self.move_se_s, self.per_running_se_s
         return {
             "base_ms": round(1000 * self.base_s, 2),
             "per_token_us": round(1e6 * self.per_token_s, 3),
+            "per_running_ms": round(1000 * self.per_running_s, 2),
+            "per_running_se_ms": round(1000 * running_se, 2) if math.isfinite(running_se) else None,
             "move_ms": round(1000 * self.move_s, 2),
             "move_se_ms": round(1000 * se, 2) if math.isfinite(se) else None,
             "move_factor": round(math.exp(self.move_log), 3),
             "moved_samples": round(self.moved, 1),
             "stayed_samples": round(self.stayed, 1),
+            "busy_samples": round(self.busy, 1),
             "move_tokens": round(self.move_tokens, 1),
         }
 
@@ -92,19 +122,26 @@ NO_FIT = TimingFit(0.0, 0.0, 0.0, math.inf, 0.0, 0.0)
 LOG_FLOOR_S = 1e-4  # log(TTFT) of a TTFT under 0.1 ms (a clock's granularity) counts as 0.1 ms
 
 
+K = 4  # regressors: 1, kilotokens waited for, moved, requests running
+
+
 class WorkerTiming:
     """The decayed normal equations of one worker's fit, and which of its ranks was used last."""
 
     def __init__(self, window: int = WINDOW):
         self.decay = 1.0 - 1.0 / window
-        # sum of w x x^T over x = (1, kilotokens, moved): [0][0] is the faded sample count and
-        # [2][2] the faded count of moves
-        self.xx = [[0.0] * 3 for _ in range(3)]
-        self.xy = [0.0] * 3
+        # sum of w x x^T over x = (1, kilotokens, moved, running): [0][0] is the faded sample
+        # count and [2][2] the faded count of moves
+        self.xx = [[0.0] * K for _ in range(K)]
+        self.xy = [0.0] * K
         self.yy = 0.0
-        self.xlog = [0.0] * 3  # the same for log(TTFT)
+        self.xlog = [0.0] * K  # the same for log(TTFT)
         self.loglog = 0.0
+        self.busy = 0.0  # faded count of samples with something running
         self.last_key: str | None = None  # the rank sent work most recently
+        self._fit: TimingFit | None = None  # the last solve, and the samples since
+        self._pending = 0
+        self._solved_at = 0.0
 
     @property
     def n(self) -> float:
@@ -113,25 +150,40 @@ class WorkerTiming:
     @property
     def fit(self) -> TimingFit:
         """Solved when read (the workers API, /metrics), not at every first token."""
-        return self._solve()
+        if self._fit is None or self._pending:
+            self._fit, self._pending, self._solved_at = self._solve(), 0, time.monotonic()
+        return self._fit
 
-    def observe(self, wait_tokens: int, moved: bool, seconds: float) -> None:
+    def recent_fit(self) -> TimingFit:
+        """The fit for the hot path (the time check at every request): solved again once
+        ``REFIT_SAMPLES`` new samples came in or ``REFIT_S`` passed since, not at every one (a
+        solve is ~15-30 us of Python)."""
+        if self._fit is None or (
+            self._pending
+            and (self._pending >= REFIT_SAMPLES or time.monotonic() - self._solved_at >= REFIT_S)
+        ):
+            return self.fit
+        return self._fit
+
+    def observe(self, wait_tokens: int, moved: bool, seconds: float, running: int = 0) -> None:
         d = self.decay
-        x = (1.0, wait_tokens / TOKEN_SCALE, 1.0 if moved else 0.0)
+        x = (1.0, wait_tokens / TOKEN_SCALE, 1.0 if moved else 0.0, float(running))
         log = math.log(max(seconds, LOG_FLOOR_S))
-        for i in range(3):
+        for i in range(K):
             self.xy[i] = self.xy[i] * d + x[i] * seconds
             self.xlog[i] = self.xlog[i] * d + x[i] * log
             row = self.xx[i]
-            for j in range(3):
+            for j in range(K):
                 row[j] = row[j] * d + x[i] * x[j]
         self.yy = self.yy * d + seconds * seconds
         self.loglog = self.loglog * d + log * log
+        self.busy = self.busy * d + (1.0 if running else 0.0)
+        self._pending += 1
 
     def _solve(self) -> TimingFit:
         # a whisker of ridge keeps a fit with one kind of sample (or one prompt size) solvable
-        a = [[self.xx[i][j] + (1e-9 if i == j else 0.0) for j in range(3)] for i in range(3)]
-        inv = _inverse3(a)
+        a = [[self.xx[i][j] + (1e-9 if i == j else 0.0) for j in range(K)] for i in range(K)]
+        inv = _inverse(a)
         if inv is None:
             return NO_FIT
         moved = self.xx[2][2]
@@ -141,32 +193,43 @@ class WorkerTiming:
             base_s=beta[0],
             per_token_s=beta[1] / TOKEN_SCALE,
             move_s=beta[2],
-            move_se_s=se,
+            move_se_s=se[2],
             moved=moved,
             stayed=self.n - moved,
             move_log=beta_log[2],
-            move_log_se=se_log,
+            move_log_se=se_log[2],
+            per_running_s=beta[3],
+            per_running_se_s=se[3],
+            busy=self.busy,
         )
 
-    def _coefficients(self, inv, xy, yy) -> tuple[list[float], float]:
-        """Least squares coefficients, and the standard error of the move's."""
-        beta = [sum(inv[i][j] * xy[j] for j in range(3)) for i in range(3)]
-        rss = yy - sum(beta[i] * xy[i] for i in range(3))
-        dof = self.n - 3.0
-        return beta, math.sqrt(max(rss, 0.0) / dof * inv[2][2]) if dof > 0 else math.inf
+    def _coefficients(self, inv, xy, yy) -> tuple[list[float], list[float]]:
+        """Least squares coefficients and their standard errors."""
+        beta = [sum(inv[i][j] * xy[j] for j in range(K)) for i in range(K)]
+        rss = yy - sum(beta[i] * xy[i] for i in range(K))
+        dof = self.n - K
+        if dof <= 0:
+            return beta, [math.inf] * K
+        scale = max(rss, 0.0) / dof
+        return beta, [math.sqrt(scale * max(inv[i][i], 0.0)) for i in range(K)]
 
 
-def _inverse3(m: list[list[float]]) -> list[list[float]] | None:
-    (a, b, c), (d, e, f), (g, h, i) = m
-    co = [
-        [e * i - f * h, c * h - b * i, b * f - c * e],
-        [f * g - d * i, a * i - c * g, c * d - a * f],
-        [d * h - e * g, b * g - a * h, a * e - b * d],
-    ]
-    det = a * co[0][0] + b * co[1][0] + c * co[2][0]
-    if abs(det) < 1e-18:
-        return None
-    return [[v / det for v in row] for row in co]
+def _inverse(m: list[list[float]]) -> list[list[float]] | None:
+    """Gauss-Jordan with partial pivoting; None when singular."""
+    n = len(m)
+    a = [row[:] + [1.0 if i == j else 0.0 for j in range(n)] for i, row in enumerate(m)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
+        if abs(a[pivot][col]) < 1e-18:
+            return None
+        a[col], a[pivot] = a[pivot], a[col]
+        p = a[col][col]
+        a[col] = [v / p for v in a[col]]
+        for r in range(n):
+            if r != col and a[r][col]:
+                f = a[r][col]
+                a[r] = [v - f * w for v, w in zip(a[r], a[col], strict=True)]
+    return [row[n:] for row in a]
 
 
 @dataclass
@@ -176,9 +239,10 @@ class TimingSample:
     timing: WorkerTiming
     wait_tokens: int
     moved: bool
+    running: int = 0
 
     def observe(self, seconds: float) -> None:
-        self.timing.observe(self.wait_tokens, self.moved, seconds)
+        self.timing.observe(self.wait_tokens, self.moved, seconds, self.running)
 
 
 class Timing:
@@ -209,6 +273,7 @@ class Timing:
     def dispatched(self, target, wait_tokens: int) -> TimingSample:
         """``target`` was chosen (before its load begins): the sample its first token completes."""
         timing = self.of(target.worker.worker_id)
-        sample = TimingSample(timing, wait_tokens, self.would_move(timing, target))
+        moved = self.would_move(timing, target)
+        sample = TimingSample(timing, wait_tokens, moved, target.load.inflight)
         timing.last_key = target.key
         return sample
