@@ -163,18 +163,21 @@ class Router:
         # what the model must know to judge: on an idle fleet what waking a rank costs, on a
         # busy one what a running request costs; without it, the policy's choice stands
         busy = any(t.load.inflight for t in candidates)
-        timings = {t.worker.worker_id: self.timing.of(t.worker.worker_id) for t in candidates}
-        fits = {worker_id: timing.recent_fit() for worker_id, timing in timings.items()}
-        if not all(f.running_significant if busy else f.move_significant for f in fits.values()):
-            return chosen
+        fits = {}
+        for t in candidates:
+            worker_id = t.worker.worker_id
+            if worker_id not in fits:
+                fit = fits[worker_id] = self.timing.of(worker_id).recent_fit()
+                if not (fit.running_significant if busy else fit.move_significant):
+                    return chosen
         predictions = {}
         for t in candidates:
-            timing, shape = timings[t.worker.worker_id], shapes[t.key]
+            worker_id, shape = t.worker.worker_id, shapes[t.key]
             wait = shape.prompt_tokens - self._cached_tokens(t, shape, matched, primary)
-            predictions[t.key] = fits[t.worker.worker_id].predict(
+            predictions[t.key] = fits[worker_id].predict(
                 wait + t.load.queued_prefill_tokens,
                 t.load.inflight,
-                Timing.would_move(timing, t),
+                Timing.would_move(self.timing.of(worker_id), t),
             )
         quickest = min(candidates, key=lambda t: predictions[t.key])
         gain = predictions[chosen.key] - predictions[quickest.key]

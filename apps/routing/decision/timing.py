@@ -45,7 +45,7 @@ MIN_SAMPLES = 6.0  # of each kind (moved, stayed), as faded counts
 SIGNIFICANCE = 2.0  # standard errors
 PER_TOKEN_FLOOR_S = 1e-6  # a fit that finds waiting free is noise: a microsecond a token at least
 MOVE_CAP_TOKENS = 8192.0
-REFIT_SAMPLES, REFIT_S = 8, 0.25  # the hot path's fit is at most this many samples or seconds old
+REFIT_SAMPLES, REFIT_S = 32, 1.0  # the hot path's fit is at most this many samples or seconds old
 # wait tokens enter the fit in thousands, so the normal equations stay well conditioned
 TOKEN_SCALE = 1000.0
 
