@@ -34,12 +34,15 @@ from harness.procs import free_port, router_command, start
 from harness.vllm import start_vllm, vllm_venv
 
 TARGETS = ["vllm-balancer", "dpmesh:cache_aware", "vllm-router:cache_aware", "vllm-router:kv_aware"]
+# also: dpmesh-no-time-check:cache_aware (ours with --time-check off)
 
 
 def router_cmd(spec: str, server, port: int, vllm_router: str) -> list[str] | None:
     kind, _, policy = spec.partition(":")
     if kind == "dpmesh":
         return router_command(server.url, port=port, policy=policy)
+    if kind == "dpmesh-no-time-check":  # ours with the policy's choices unchecked (A/B)
+        return router_command(server.url, "--time-check", "off", port=port, policy=policy)
     if kind == "vllm-router":
         cmd = [vllm_router, "--worker-urls", server.url, "--intra-node-data-parallel-size",
                str(server.dp_size), "--policy", policy, "--host", "127.0.0.1",

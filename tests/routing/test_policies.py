@@ -490,8 +490,9 @@ def test_the_volume_pull_never_buys_a_queue():
     heavy.load.begin(200, 1_000)
     s = shape(640)
     s.volume_excess = {light.key: -0.3, idle.key: 0.0, heavy.key: 0.9}
+    busy = 2 / 3  # two of three targets have a request in flight: the term weighs that much
     assert policy.costs([light, idle, heavy], s, {}) == pytest.approx(
-        [640 + 1_016, 640, 640 + 1_016 + 0.5 * 10 * 640]
+        [640 + 1_016, 640, 640 + 1_016 + busy * 0.5 * 10 * 640]
     )
     assert policy.choose([light, idle, heavy], s, {}) is idle
     idle.load.begin(200, 1_000)  # the same queue everywhere: the pull counts again
@@ -502,15 +503,19 @@ def test_among_a_prefix_s_holders_the_volume_term_pulls_to_the_least_loaded():
     """A prompt whose best match several targets hold may go to any of them: among those the
     volume term is a pull toward the one with the least recent volume, never a push away from the
     cache (the most loaded holder counts 0, a target without the prefix 0 too; it pays for the
-    history it lacks, stickiness 1). One holder: no term."""
+    history it lacks, stickiness 1), as the fleet is busy. One holder: no term."""
     policy = cache_aware(volume_weight=10.0, volume_cap=0.5, balance_weight=0.0)
     a, b, other = targets(3)
     s = shape(640)
     s.volume_excess = {a.key: 0.3, b.key: 0.1, other.key: -0.4}
     matched = {a.key: 4, b.key: 4}
+    # an idle fleet has no queue to spread: no volume term
+    assert policy.costs([a, b, other], s, matched) == pytest.approx([640 - 64, 640 - 64, 704])
+    for t in (a, b, other):  # a request running on each (no prefill left): the fleet is busy
+        t.load.begin(0, 0)
     assert policy.costs([a, b, other], s, matched) == pytest.approx(
-        [640 - 64, 640 - 64 - 0.2 * 10 * 640, 640 + 64]
+        [640 - 64 + 16, 640 - 64 - 0.2 * 10 * 640 + 16, 640 + 64 + 16]
     )
     assert policy.choose([a, b, other], s, matched) is b
     # the same prefix on ``a`` alone: no volume term
-    assert policy.costs([a, b, other], s, {a.key: 4}) == pytest.approx([640 - 64, 704, 704])
+    assert policy.costs([a, b, other], s, {a.key: 4}) == pytest.approx([576 + 16, 720, 720])

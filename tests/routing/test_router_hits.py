@@ -83,7 +83,9 @@ def test_prefix_repetition_gets_the_oracle(fleet):
         after[("cached_tokens", r)] - before.get(("cached_tokens", r), 0) for r in range(DP)
     )
     assert engine_cached == cached  # the client's usage and the engine's own counters agree
-    assert {r.rank for r in run.results} == set(range(DP))  # 5 prefixes spread over all 4 ranks
+    # one request at a time the fleet is idle at each: the 5 prefixes stay on the rank used last
+    # (they fit its cache), as do their repeats (policies.CacheAware, shape.warm)
+    assert len({r.rank for r in run.results}) == 1
 
 
 def test_multi_turn_chat_gets_the_oracle_and_stays_balanced(fleet):

@@ -157,28 +157,39 @@ def trained(move_s: float = 0.0, per_running_s: float = 0.0, seed: int = 5) -> R
     return router
 
 
-def one_at_a_time(router: Router, prompts: list[str]) -> list[str]:
+def one_at_a_time(router: Router, prompts: list[str], rank: int | None = None) -> list[str]:
     keys = []
     for prompt in prompts:
-        d = router.route({"prompt": prompt}, chat=False, model=None)
+        d = router.route({"prompt": prompt}, chat=False, model=None, rank=rank)
         d.first_token()
         d.finish(ok=True)
         keys.append(d.target.key)
     return keys
 
 
-def test_an_idle_fleet_stays_on_the_warm_rank_where_waking_one_costs_time():
-    prompts = [f"prefix {i} " * 40 for i in range(8)]
-    router = trained(move_s=0.3)
-    assert router.timing.workers[1].fit.move_significant
-    keys = one_at_a_time(router, prompts)
-    assert len(set(keys)) == 1, keys  # every new prefix on the rank used last
-    assert router.stats.time_checked > 0
-    # where a move costs nothing, the policy spreads new prefixes over the idle ranks as before
-    free = trained(move_s=0.0)
-    assert not free.timing.workers[1].fit.move_significant
-    assert len(set(one_at_a_time(free, prompts))) == 2
-    assert free.stats.time_checked == 0
+def test_an_idle_fleet_keeps_new_prefixes_on_the_rank_used_last():
+    """No evidence needed: the rank just used is never slower for a prompt cached nowhere."""
+    router = Router(RouterConfig(policy="cache_aware"), rng=random.Random(0))
+    router.fleet.put(worker_view(1, dp_size=2, block_size=None, tokenizer_path=None))
+    keys = one_at_a_time(router, [f"prefix {i} " * 40 for i in range(8)])
+    assert len(set(keys)) == 1, keys
+    assert router.stats.time_checked == 0
+
+
+def test_an_idle_fleet_copies_a_prefix_to_the_warm_rank_where_waking_one_costs_time():
+    """A repeat of a prefix the idle rank holds, while the other rank was used last: the policy
+    sends it to its holder; where waking a rank measurably costs (the fit), the time check
+    keeps it on the warm rank and recomputes the prefix there."""
+    prompt = "a prefix held by one rank " * 12
+    for move_s, copied in ((0.3, True), (0.0, False)):
+        router = trained(move_s=move_s)
+        assert router.timing.workers[1].fit.move_significant is copied
+        home = one_at_a_time(router, [prompt + "first"])[0]
+        other = 1 - int(home.rsplit("@", 1)[1])
+        one_at_a_time(router, ["something else"], rank=other)  # the other rank is warm now
+        again = one_at_a_time(router, [prompt + "again"])[0]
+        assert (again != home) is copied, (home, again)
+        assert router.stats.time_checked == int(copied)
 
 
 def test_a_busy_holder_loses_requests_when_its_queue_costs_more_than_a_recompute():

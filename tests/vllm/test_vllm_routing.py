@@ -161,13 +161,19 @@ async def test_prefix_workload_gets_the_hits_vllms_block_rules_allow(router, cli
         async with gate:
             await send(prompt)
 
+    before = {key: s.prompt_tokens for key, s in router.stats.targets.items()}
     await asyncio.gather(*(limited(p) for p in rest))
     allowed = allowed_hits(prompts)
-    # one prefix copied to the other rank would cost 320 of the 12,800 tokens (0.975): none is,
-    # since no prefix here carries more than its home's fair share (policies.CacheAware.hot)
+    # one prefix copied to the other rank would cost 320 of the 12,800 tokens (0.975): none is
     assert allowed > 0 and sum(cached) >= 0.99 * allowed, (sum(cached), allowed)
-    loads = [router.stats.targets[t.key].prompt_tokens for t in router.fleet.all_targets()]
-    assert max(loads) <= 1.5 * (sum(loads) / len(loads))  # both ranks used, no pile-up
+    # The warm-up found the fleet idle each time: its prefixes stayed on the rank used last, and
+    # their repeats follow them. Spreading them instead (the test asserted a balance of 1.5 once)
+    # was the slower choice here: the same scenario streamed at concurrency 8 took 10.6-11.0 s
+    # and TTFT p50 589-765 ms balanced, 5.5-6.1 s and 282-299 ms kept together (docs/routing.md,
+    # "The time model")
+    used = [key for key, s in router.stats.targets.items() if s.prompt_tokens > before.get(key, 0)]
+    if concurrency == 1:
+        assert len(used) == 1, used
 
 
 async def vllm_cache(endpoints: list[str], stop: asyncio.Event, held: list[set]) -> None:

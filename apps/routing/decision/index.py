@@ -175,3 +175,7 @@ class PrefixIndex:
 
     def size(self, key: str) -> int:
         return len(self.ranks.get(key, ()))
+
+    def room(self, key: str) -> int:
+        """Blocks ``key`` can still take before its engine evicts (as far as this index knows)."""
+        return self.capacity.get(key, self.default_capacity) - self.size(key)

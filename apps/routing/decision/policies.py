@@ -73,7 +73,7 @@ class CacheAware(Policy):
         + rework x (uncached on t - least uncached)    (recomputing delays whoever queues behind)
         + balance_weight x pressure x excess(t)        (where sessions pile up over time)
         + seat_weight x requests beyond t's seats      (it waits for a running request to end)
-        + volume_weight x prompt x volume excess(t)    (each rank's share of the work, over minutes)
+        + volume_weight x busy x prompt x volume excess(t)   (each rank's share, over minutes)
 
     Private blocks lie past the deepest shared branch point (``PrefixIndex.shared_blocks``): one
     session's history. A shared prefix carries no stickiness, so it replicates when load says so.
@@ -84,8 +84,12 @@ class CacheAware(Policy):
     ``rework`` is 0 while the fleet is idle and at least ``rework_floor`` once it is busy; where a
     copy buys no balance it is multiplied by ``amplification``, up to ``rework_max``. The volume
     term weighs only where a request is free to go and never pulls it into a longer queue
-    (``volumes``). Costs within ``slack`` (``new_session_slack`` for a chat request that starts a
-    session) tie and go to the least loaded, then chance.
+    (``volumes``), and only as the fleet is busy: an idle fleet has no queue to spread. Costs
+    within ``slack`` (``new_session_slack`` for a chat request that starts a session) tie and go
+    to the least loaded; on an idle fleet then to the rank its worker used last (``shape.warm``:
+    the rank just used is never slower, and on some engines every rank kept busy costs all of
+    them time: behind vLLM-CPU DP 2 one request at a time, spreading took 22.7 s where keeping one
+    rank took vllm-router 4.4 s), then to the rank with fewer recent requests, then chance.
 
     Why each weight is what it is, run by run: docs/routing.md, "CacheAware: the measurements
     behind each term".
@@ -172,7 +176,7 @@ class CacheAware(Policy):
                 + rework * (best_match - hit)
                 + self.balance_weight * pressure * self.one_sided(excess, hit, shared, hot)
                 + self.seat_weight * self.beyond_seats(t, n)
-                + self.volume_weight * shape.prompt_tokens * volume
+                + self.volume_weight * busy * shape.prompt_tokens * volume
             )
         return out
 
@@ -254,10 +258,12 @@ class CacheAware(Policy):
         # request at a time: hits 0.75 of the oracle instead of 1.0)
         slack = self.new_session_slack if shape.chat and not private else self.slack
         near = [t for c, t in zip(costs, targets, strict=True) if c <= best + slack]
+        warm = shape.warm  # set by the router on an idle fleet only
         return min(
             near,
             key=lambda t: (
                 t.load.active_sessions() + t.load.inflight,
+                t.key not in warm,
                 t.load.recent_requests(),
                 self.rng.random(),
             ),

@@ -132,10 +132,12 @@ class RequestShape:
     requests that shared the prefix this one shares (apps/routing/decision/index.py
     ``PrefixDemand``; None: not known, and a policy takes the prefix as hot). ``volume_excess`` is
     the router's too: each candidate's prompt tokens of the last minutes relative to the candidates'
-    mean (``ServedVolume.excess``; None: not known, and a policy ignores it)."""
+    mean (``ServedVolume.excess``; None: not known, and a policy ignores it). ``warm`` is the
+    router's too, on an idle fleet: the candidates that were their worker's rank used last and
+    have room for the request in their cache (empty while anything is in flight)."""
 
     __slots__ = ("digests", "prompt_tokens", "block_tokens", "chat", "prefix_share",
-                 "volume_excess")  # fmt: skip
+                 "volume_excess", "warm")  # fmt: skip
 
     def __init__(
         self, digests: list[int], prompt_tokens: int, block_tokens: int, chat: bool = False
@@ -144,6 +146,7 @@ class RequestShape:
         self.chat = chat
         self.prefix_share: float | None = None
         self.volume_excess: dict[str, float] | None = None
+        self.warm: frozenset[str] = frozenset()
 
     @property
     def hittable_blocks(self) -> int:

@@ -103,6 +103,13 @@ class Router:
         self.demand.add(prefix)
         primary.prefix_share = self.demand.share(prefix) if prefix is not None else None
         primary.volume_excess = self.volume.excess([t.key for t in candidates])
+        if not any(t.load.inflight for t in candidates):
+            # an idle fleet: the rank used last keeps the ties while the request fits its cache
+            primary.warm = frozenset(
+                k
+                for k in self.timing.warm_keys(candidates)
+                if self.index.room(k) >= len(primary.digests)
+            )
         home = self.sessions.home(session, candidates) if session else None
         target = home or self.policy.choose(candidates, primary, matched, shared)
         if home is None and self.config.time_check and self.policy.name == "cache_aware":

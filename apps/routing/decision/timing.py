@@ -261,6 +261,15 @@ class Timing:
     def forget(self, worker_id: int) -> None:
         self.workers.pop(worker_id, None)
 
+    def warm_keys(self, targets) -> set[str]:
+        """The targets that were their worker's rank sent work most recently."""
+        out = set()
+        for t in targets:
+            timing = self.workers.get(t.worker.worker_id)
+            if timing is not None and timing.last_key == t.key:
+                out.add(t.key)
+        return out
+
     @staticmethod
     def would_move(timing: WorkerTiming, target) -> bool:
         """Whether sending work to ``target`` now wakes it: nothing in flight there, and another
