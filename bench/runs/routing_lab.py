@@ -102,12 +102,19 @@ def make_router(policy: str, dp_size: int, block_size: int, capacity: int, clock
     from engine.digests import SCHEME
     from engine.tiny import ensure_tiny_model
 
+    unchecked = policy.endswith(UNCHECKED)  # cache_aware with its choices not time-checked
+    policy = policy.removesuffix(UNCHECKED)
     router = Router(
-        RouterConfig(dp_aware=True, policy=policy if policy in POLICIES else "cache_aware")
+        RouterConfig(
+            dp_aware=True,
+            policy=policy if policy in POLICIES else "cache_aware",
+            time_check=not unchecked,
+        )
     )
     if policy in LAB_POLICIES:
         router.policy = LAB_POLICIES[policy]()
     router.index.clock = clock
+    router.clock = clock  # dispatches time their first tokens on it: the time model learns it
     router.demand = PrefixDemand(clock=clock)  # the prefixes' shares on the virtual clock
     router.volume = ServedVolume(clock=clock)  # the ranks' shares of the work, likewise
     info = {"dp_size": dp_size, "model_id": "tiny", "model_path": str(ensure_tiny_model()),
@@ -276,6 +283,7 @@ class SGLangLike:
 
 
 LAB_POLICIES = {"sglang": SGLangLike}
+UNCHECKED = "-no-time-check"  # a policy name's suffix: the router's time check off
 
 
 def build_parser() -> argparse.ArgumentParser:

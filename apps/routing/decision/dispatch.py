@@ -55,7 +55,7 @@ class Dispatch:
     """A request sent to ``target``: what the index predicted, its load ticket, its timing."""
 
     __slots__ = ("target", "shape", "predicted_tokens", "ticket", "trial", "started", "_stats",
-                 "_observers", "_timing")  # fmt: skip
+                 "_observers", "_timing", "_clock")  # fmt: skip
 
     def __init__(
         self,
@@ -68,11 +68,13 @@ class Dispatch:
         stats: RouterStats,
         observers: list[DispatchObserver],
         timing: TimingSample | None = None,
+        clock=time.perf_counter,
     ):
         self.target, self.shape, self.predicted_tokens = target, shape, predicted_tokens
         self.ticket = ticket
         self.trial = trial  # the half-open circuit's one trial request
-        self.started = time.perf_counter()
+        self._clock = clock  # the router's (the routing lab's is virtual)
+        self.started = clock()
         self._stats, self._observers = stats, observers
         self._timing = timing  # the router's time model learns from this request's first token
 
@@ -91,7 +93,7 @@ class Dispatch:
             return
         self.target.load.first_token(self.ticket)
         self._tell_prefilled()
-        seconds = time.perf_counter() - self.started
+        seconds = self._clock() - self.started
         self._stats.ttft.observe(seconds)
         if self._timing is not None:
             self._timing.observe(seconds)
@@ -106,7 +108,7 @@ class Dispatch:
         if not self.ticket.prefilled:
             self._tell_prefilled()
         self.target.load.end(self.ticket)
-        self._stats.latency.observe(time.perf_counter() - self.started)
+        self._stats.latency.observe(self._clock() - self.started)
         breaker = self.target.breaker
         if ok:
             breaker.record_success()

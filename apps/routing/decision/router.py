@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 
 from apps.routing.decision.config import RouterConfig
 from apps.routing.decision.demand import PrefixDemand, ServedVolume
@@ -48,6 +49,7 @@ class Router:
         self.sessions = SessionTable(ttl_s=self.config.session_ttl_s)
         self.stats = RouterStats()
         self.timing = Timing()  # what a first token costs in time, per worker, as observed
+        self.clock = time.perf_counter  # what a dispatch times itself with (the lab: virtual)
         self.policy: Policy = self._make_policy(self.config.policy)
         # told of every decision and prefill end (apps/routing/feeds/shared_index.py, kv_events.py)
         self.observers: list[DispatchObserver] = []
@@ -144,6 +146,7 @@ class Router:
             stats=self.stats,
             observers=self.observers,
             timing=sample,
+            clock=self.clock,
         )
 
     @staticmethod
