@@ -129,13 +129,16 @@ def test_a_prompt_routed_by_one_router_process_is_a_hit_through_another(tmp_path
             )
             ranks = {}
             for i, prompt in enumerate(prompts):
+                # pinned, so a spreads them over both ranks (its own choice, one request at a
+                # time, would keep them all on the rank it used last)
                 r = httpx.post(
                     a.url + "/v1/completions",
-                    json={"model": "tiny", "prompt": prompt, "max_tokens": 1},
+                    json={"model": "tiny", "prompt": prompt, "max_tokens": 1,
+                          "data_parallel_rank": i % 2},
                     timeout=60,
-                )
+                )  # fmt: skip
                 ranks[i] = r.headers["x-data-parallel-rank"]
-            assert len(set(ranks.values())) == 2  # spread over both ranks by a
+            assert ranks == {0: "0", 1: "1", 2: "0", 3: "1"}
             assert wait_for(
                 lambda: counter(b.url, "dpmesh_router_index_sync_applied_total") >= len(prompts),
                 timeout=5,
