@@ -151,7 +151,8 @@ def measure(
             continue
         spy = None
         if profile_pid and c == max(args.connections):
-            svg = Path(args.profile) / f"{name.replace(' ', '_')}.svg"
+            raw = args.profile_format == "raw"  # collapsed stacks, for reading off self time
+            out = Path(args.profile) / f"{name.replace(' ', '_')}.{'txt' if raw else 'svg'}"
             spy = subprocess.Popen(
                 [
                     "py-spy",
@@ -163,8 +164,10 @@ def measure(
                     "--rate",
                     "200",
                     "--nonblocking",
+                    "--format",
+                    "raw" if raw else "flamegraph",
                     "--output",
-                    str(svg),
+                    str(out),
                 ],
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
@@ -347,6 +350,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the raw results here")
     parser.add_argument(
         "--profile", help="directory for py-spy flame graphs of our router (largest load)"
+    )
+    parser.add_argument(
+        "--profile-format",
+        choices=["flamegraph", "raw"],
+        default="flamegraph",
+        help="py-spy's output: an SVG, or collapsed stacks (one line per stack, with its count)",
     )
     args = parser.parse_args(argv)
     if not shutil.which("wrk"):

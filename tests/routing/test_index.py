@@ -271,3 +271,26 @@ def test_served_volume_is_each_target_s_recent_prompt_tokens_against_the_mean():
     assert volume.excess(["a", "b"]) == pytest.approx({"a": -1 / 3, "b": 1 / 3})
     volume.forget("b")
     assert volume.excess(["a", "b"]) == pytest.approx({"a": 1.0, "b": -1.0})
+
+
+def test_served_volume_keeps_peers_shares_theirs_and_decays_over_hours():
+    """A process's own volume is what it sent: adding to a target its peers also serve does not
+    fold their shares into its own (which it publishes to them: they would count theirs twice,
+    and again each round). Hours on, the values have decayed as they should (the scaled values
+    are rebased instead of overflowing)."""
+    clock = Clock()
+    a = ServedVolume(half_life_s=100.0, clock=clock)
+    b = ServedVolume(half_life_s=100.0, clock=clock)
+    a.add("x", 400)
+    b.set_peer("a", {"x": a.own("x")})
+    b.add("x", 100)
+    assert b.own("x") == pytest.approx(100)
+    a.set_peer("b", {"x": b.own("x")})
+    a.add("y", 500)
+    assert a.excess(["x", "y"]) == pytest.approx({"x": 0.0, "y": 0.0})  # 400 + 100 against 500
+    clock.now += 100 * 70  # 70 half-lives: past the rebase
+    a.add("y", 1000)
+    assert a.own("y") == pytest.approx(1000 + 500 * 0.5**70)
+    assert a.excess(["x", "y"]) == pytest.approx({"x": -1.0, "y": 1.0}, abs=1e-9)
+    clock.now += 100
+    assert a.own("y") == pytest.approx(500)

@@ -55,6 +55,7 @@ class PrefixDemand:
 
 
 VOLUME_HALF_LIFE_S = 300.0  # minutes of traffic: a rank's share of the work, not its queue now
+REBASE_HALF_LIVES = 64.0  # scaled values are rebased past 2 ** this
 
 
 class ServedVolume:
@@ -76,42 +77,52 @@ class ServedVolume:
 
     def __init__(self, half_life_s: float = VOLUME_HALF_LIFE_S, clock=time.monotonic):
         self.half_life_s, self.clock = half_life_s, clock
-        self.tokens: dict[str, tuple[float, float]] = {}  # target key -> (tokens, as of)
-        # other router process -> target key -> (its tokens there, as of)
-        self.peers: dict[str, dict[str, tuple[float, float]]] = {}
+        # Values are kept scaled by 2 ** ((as of - origin) / half_life): all decay alike, so a
+        # value now is the scaled one over the scale now, and ``excess`` (a ratio) needs no
+        # decay at all; a request costs additions, not a power per target.
+        self.origin = clock()
+        self.tokens: dict[str, float] = {}  # target key -> scaled tokens
+        # other router process -> target key -> its scaled tokens there
+        self.peers: dict[str, dict[str, float]] = {}
 
-    def _now_value(self, key: str, now: float) -> float:
-        return self.own(key, now) + sum(
-            decayed(*peer[key], now, self.half_life_s)
-            for peer in self.peers.values()
-            if key in peer
-        )
+    def _scale(self, now: float) -> float:
+        exponent = (now - self.origin) / self.half_life_s
+        if exponent > REBASE_HALF_LIVES:  # keep the scaled values far from overflow
+            factor = 0.5**exponent
+            self.tokens = {k: v * factor for k, v in self.tokens.items()}
+            self.peers = {
+                o: {k: v * factor for k, v in peer.items()} for o, peer in self.peers.items()
+            }
+            self.origin, exponent = now, 0.0
+        return 2.0**exponent
 
     def own(self, key: str, now: float | None = None) -> float:
         """The tokens this process itself sent ``key`` lately (decayed): what it publishes."""
-        now = self.clock() if now is None else now
-        value, at = self.tokens.get(key, (0.0, now))
-        return decayed(value, at, now, self.half_life_s)
+        scale = self._scale(self.clock() if now is None else now)
+        return self.tokens.get(key, 0.0) / scale
 
     def set_peer(self, origin: str, volumes: dict[str, float]) -> None:
         """Process ``origin``'s own volume per target, as it published it just now (replaces
         what it published before)."""
-        now = self.clock()
-        self.peers[origin] = {key: (value, now) for key, value in volumes.items()}
+        scale = self._scale(self.clock())
+        self.peers[origin] = {key: value * scale for key, value in volumes.items()}
 
     def drop_peer(self, origin: str) -> None:
         self.peers.pop(origin, None)
 
     def add(self, key: str, tokens: int) -> None:
-        """``tokens`` prompt tokens were just routed to target ``key``."""
-        now = self.clock()
-        self.tokens[key] = (self._now_value(key, now) + tokens, now)
+        """``tokens`` prompt tokens were just routed to target ``key`` (by this process: the
+        peers' shares stay theirs)."""
+        scale = self._scale(self.clock())  # first: it may rebase the stored values
+        self.tokens[key] = self.tokens.get(key, 0.0) + tokens * scale
 
     def excess(self, keys: list[str]) -> dict[str, float]:
         """Each target's volume relative to the mean of ``keys`` (0: at the mean, -1: nothing
         lately); all 0 while none of them was sent anything."""
-        now = self.clock()
-        values = {key: self._now_value(key, now) for key in keys}
+        own, peers = self.tokens, self.peers.values()
+        values = {
+            key: own.get(key, 0.0) + sum(peer.get(key, 0.0) for peer in peers) for key in keys
+        }
         mean = sum(values.values()) / len(values) if values else 0.0
         if mean <= 0:
             return dict.fromkeys(keys, 0.0)
