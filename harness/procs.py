@@ -38,6 +38,13 @@ class ServerProcess:
     url: str
     log_path: Path
     stop_signal: int = signal.SIGINT  # SIGTERM for one started from a shell's background job
+    own_group: bool = True  # started in a session (and process group) of its own
+
+    def _kill_all(self) -> None:
+        if self.own_group:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # its rank processes too
+        else:
+            self.proc.kill()
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -48,7 +55,7 @@ class ServerProcess:
             try:
                 self.proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)  # its rank processes too
+                self._kill_all()
                 self.proc.wait()
 
     def kill(self, timeout: float = 30.0) -> None:
@@ -57,7 +64,7 @@ class ServerProcess:
         them down, holding their ports, and a restart on the same ports fails until they are
         gone."""
         with contextlib.suppress(ProcessLookupError):  # already gone, all of it
-            os.killpg(self.proc.pid, signal.SIGKILL)
+            self._kill_all()
         self.proc.wait(timeout)
         deadline = time.monotonic() + timeout
         while group_alive(self.proc.pid) and time.monotonic() < deadline:
@@ -103,8 +110,11 @@ def start(
     timeout: float = 180.0,
     env: dict | None = None,
     stop_signal: int = signal.SIGINT,
+    new_session: bool = True,
 ) -> ServerProcess:
-    """Start ``cmd`` (logs to ``log_path``) and wait until ``url + health`` answers 200."""
+    """Start ``cmd`` (logs to ``log_path``) and wait until ``url + health`` answers 200.
+    ``new_session``: in a session of its own (signals to the caller's group do not reach it;
+    with the kernel's autogroups, also a CPU share of its own), else in the caller's."""
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             cmd,
@@ -112,9 +122,9 @@ def start(
             stdout=log,
             stderr=subprocess.STDOUT,
             env={**os.environ, **(env or {})},
-            start_new_session=True,
+            start_new_session=new_session,
         )
-    server = ServerProcess(proc, url, log_path, stop_signal)
+    server = ServerProcess(proc, url, log_path, stop_signal, own_group=new_session)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:

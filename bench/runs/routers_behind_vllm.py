@@ -34,7 +34,8 @@ from harness.procs import free_port, router_command, start
 from harness.vllm import start_vllm, vllm_venv
 
 TARGETS = ["vllm-balancer", "dpmesh:cache_aware", "vllm-router:cache_aware", "vllm-router:kv_aware"]
-# also: dpmesh-no-time-check:cache_aware (ours with --time-check off)
+# also: dpmesh-no-time-check:cache_aware (ours with --time-check off), dpmesh-workers2:cache_aware
+# (ours as runrouter --workers 2, with --redis-url)
 
 
 def router_cmd(spec: str, server, port: int, vllm_router: str) -> list[str] | None:
@@ -43,6 +44,9 @@ def router_cmd(spec: str, server, port: int, vllm_router: str) -> list[str] | No
         return router_command(server.url, port=port, policy=policy)
     if kind == "dpmesh-no-time-check":  # ours with the policy's choices unchecked (A/B)
         return router_command(server.url, "--time-check", "off", port=port, policy=policy)
+    if kind.startswith("dpmesh-workers"):  # dpmesh-workers2: runrouter --workers 2 (REDIS_URL)
+        workers = kind.removeprefix("dpmesh-workers")
+        return router_command(server.url, "--workers", workers, port=port, policy=policy)
     if kind == "vllm-router":
         cmd = [vllm_router, "--worker-urls", server.url, "--intra-node-data-parallel-size",
                str(server.dp_size), "--policy", policy, "--host", "127.0.0.1",
@@ -63,10 +67,13 @@ def run_target(spec: str, args, tok, venv: Path, workdir: Path, round_: int) -> 
         port = free_port()
         cmd = router_cmd(spec, server, port, args.vllm_router)
         env = {"DATABASE_URL": f"sqlite:///{workdir}/{spec.replace(':', '-')}-{round_}.sqlite3"}
+        if spec.startswith("dpmesh-workers"):
+            env["REDIS_URL"] = args.redis_url
         router = None
         if cmd is not None:
             router = start(cmd, f"http://127.0.0.1:{port}", workdir / f"{spec}-{round_}.log",
-                           health="/health", env=env, timeout=120)  # fmt: skip
+                           health="/health", env=env, timeout=120,
+                           new_session=not args.same_session)  # fmt: skip
         try:
             base = router.url if router else server.url
             for i, concurrency in enumerate(args.concurrency):
@@ -116,6 +123,15 @@ def main(argv=None) -> int:
     parser.add_argument("--suffix-len", type=int, default=64, help="tokens")
     parser.add_argument("--output-len", type=int, default=16)
     parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--redis-url", default="redis://127.0.0.1:6379/0", help="for dpmesh-workersN targets"
+    )
+    parser.add_argument(
+        "--same-session",
+        action="store_true",
+        help="start the routers in this command's session (with the kernel's autogroups: its CPU "
+        "share, beside the client) instead of one of their own, as vLLM gets",
+    )
     args = parser.parse_args(argv)
     venv = vllm_venv(build=True)
     if venv is None:
