@@ -22,6 +22,7 @@ from django.utils import timezone
 
 from apps.replicas.models import RankSample, Worker
 from apps.replicas.targets import target_key
+from apps.routing import worker_metrics
 from apps.routing.proxy.admission import Admission
 
 
@@ -202,7 +203,7 @@ _FLEET_SUMS = (
 def _fleet_totals(worker_rows: list[dict], chart: dict, admission) -> dict:
     """The fleet summary: the rank rows' sums, the fleet's hit rates from those sums (not a mean
     of the ranks' rates, which would weigh an idle rank like a busy one), the latest requests/s
-    of the chart, and this process's admission queue."""
+    of the chart, and the admission queue (every worker's under ``--workers N``)."""
     ranks = [rank for w in worker_rows for rank in w["ranks"]]
     fleet = {name: sum(rank[name] or 0 for rank in ranks) for name in _FLEET_SUMS}
     fleet["router_hit_rate"] = _rate(fleet["predicted_tokens"], fleet["prompt_tokens"])
@@ -210,8 +211,9 @@ def _fleet_totals(worker_rows: list[dict], chart: dict, admission) -> dict:
     rps = [v for v in chart["requests_per_s"] if v is not None]
     fleet["requests_per_s"] = rps[-1] if rps else None
     # this process's admission queue: waiting, admitted, refused (429 / 503), saturated, draining
-    # (None: no admission control here, an idle one reports zeros)
-    fleet.update((admission or Admission()).snapshot())
+    # (None: no admission control here, an idle one reports zeros); under --workers N the
+    # workers' queues, admitted and refused added up (apps/routing/worker_metrics.py)
+    fleet.update(worker_metrics.fleet_admission((admission or Admission()).snapshot()))
     return fleet
 
 

@@ -149,6 +149,32 @@ def render(router) -> bytes:
     return generate_latest(registry)
 
 
+def fleet_admission(snapshot: dict) -> dict:
+    """The dashboard's admission figures (``Admission.snapshot``) with the other workers' added
+    under ``--workers``: their queues, admitted requests and refusals (a dead worker's refusals
+    too); ``saturated`` and ``draining`` stay this worker's view. Outside ``--workers``: as it
+    is."""
+    if _share is None:
+        return snapshot
+    directory, index = _share
+    out = {**snapshot, "rejected_by_reason": dict(snapshot.get("rejected_by_reason") or {})}
+    own = worker_file(directory, index)
+    paths = [p for p in sorted(directory.glob("worker-*.prom")) if p != own]
+    sources = [(_read(p), True) for p in paths] + [(_read(directory / RETIRED), False)]
+    for families, live in sources:
+        for family in families:
+            for sample in family.samples:
+                if live and sample.name in (f"{PREFIX}_queue_depth", f"{PREFIX}_admitted_requests"):
+                    key = sample.name.removeprefix(f"{PREFIX}_")
+                    out[key] = out.get(key, 0) + int(sample.value)
+                elif sample.name == f"{PREFIX}_rejected_requests_total":
+                    reason = sample.labels.get("reason", "")
+                    rejected = out["rejected_by_reason"]
+                    rejected[reason] = rejected.get(reason, 0) + int(sample.value)
+    out["rejected_requests"] = sum(out["rejected_by_reason"].values())
+    return out
+
+
 def publish(router) -> None:
     """Write this worker's families for the others' scrapes (no-op outside ``--workers``)."""
     if _share is not None:

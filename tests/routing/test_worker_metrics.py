@@ -99,3 +99,24 @@ def test_a_worker_answers_for_all_workers_and_keeps_a_dead_ones_counts(share):
     worker_metrics.publish(router(2))
     worker_metrics.configure(share, 0)
     assert value(worker_metrics.render(a).decode(), responses) == 10
+
+
+def test_the_dashboard_s_admission_figures_add_up_the_workers(share):
+    from apps.routing.proxy.admission import make_admission
+
+    a, b = router(1), router(1)
+    own, other = make_admission(a), make_admission(b)
+    own.rejected["queue_full"] = 2
+    other.rejected["queue_full"], other.rejected["timeout"] = 3, 1
+    other.in_flight = 4  # what the other worker holds now
+    assert worker_metrics.fleet_admission(own.snapshot()) == own.snapshot()  # alone: its own
+    worker_metrics.configure(share, 1)
+    worker_metrics.publish(b)
+    worker_metrics.configure(share, 0)
+    fleet = worker_metrics.fleet_admission(own.snapshot())
+    assert fleet["admitted_requests"] == 4 and fleet["queue_depth"] == 0
+    assert fleet["rejected_by_reason"] == {"queue_full": 5, "timeout": 1, "draining": 0}
+    assert fleet["rejected_requests"] == 6
+    worker_metrics.retire(share, 1)  # it died: its refusals stay, what it held does not
+    fleet = worker_metrics.fleet_admission(own.snapshot())
+    assert fleet["admitted_requests"] == 0 and fleet["rejected_requests"] == 6
