@@ -137,21 +137,19 @@ class RequestShape:
     have room for the request in their cache (empty while anything is in flight)."""
 
     __slots__ = ("digests", "prompt_tokens", "block_tokens", "chat", "prefix_share",
-                 "volume_excess", "warm")  # fmt: skip
+                 "volume_excess", "warm", "hittable_blocks")  # fmt: skip
 
     def __init__(
         self, digests: list[int], prompt_tokens: int, block_tokens: int, chat: bool = False
     ):
         self.digests, self.prompt_tokens, self.block_tokens = digests, prompt_tokens, block_tokens
+        # blocks an engine can serve from cache: it always recomputes the last prompt token (read
+        # several times per candidate by the policy: an attribute, not a property)
+        self.hittable_blocks = max(0, (prompt_tokens - 1) // block_tokens)
         self.chat = chat
         self.prefix_share: float | None = None
         self.volume_excess: dict[str, float] | None = None
         self.warm: frozenset[str] = frozenset()
-
-    @property
-    def hittable_blocks(self) -> int:
-        """Blocks an engine can serve from cache: it always recomputes the last prompt token."""
-        return max(0, (self.prompt_tokens - 1) // self.block_tokens)
 
 
 async def tokenize_off_loop(
