@@ -122,21 +122,22 @@ def merge(own: list[Metric], others: list[list[Metric]]) -> list[Metric]:
     return out
 
 
+def _siblings() -> tuple[list[list[Metric]], list[Metric]]:
+    """The other live workers' published families (one list each, unreadable ones left out) and
+    the retired counts, as a worker of ``--workers N`` reads them (``([], [])`` outside)."""
+    if _share is None:
+        return [], []
+    directory, index = _share
+    own = worker_file(directory, index)
+    live = [_read(path) for path in sorted(directory.glob("worker-*.prom")) if path != own]
+    return [f for f in live if f], _counts_only(_read(directory / RETIRED))
+
+
 def render(router) -> bytes:
     """/metrics: this process's families, and under ``--workers`` the fleet's (see above)."""
-    own, others = _own(router), []
-    if _share is not None:
-        directory, index = _share
-        for path in sorted(directory.glob("worker-*.prom")):
-            if path != worker_file(directory, index):
-                families = _read(path)
-                if families:
-                    others.append(families)
-        retired = _counts_only(_read(directory / RETIRED))
-        workers = 1 + len(others)
-        others.append(retired)
-    else:
-        workers = 1
+    own, (live, retired) = _own(router), _siblings()
+    workers = 1 + len(live)
+    others = [*live, retired] if _share is not None else []
     families = merge(own, others) if others else own
     count = Metric(
         f"{PREFIX}_workers",
@@ -156,15 +157,13 @@ def fleet_admission(snapshot: dict) -> dict:
     is."""
     if _share is None:
         return snapshot
-    directory, index = _share
     out = {**snapshot, "rejected_by_reason": dict(snapshot.get("rejected_by_reason") or {})}
-    own = worker_file(directory, index)
-    paths = [p for p in sorted(directory.glob("worker-*.prom")) if p != own]
-    sources = [(_read(p), True) for p in paths] + [(_read(directory / RETIRED), False)]
-    for families, live in sources:
+    live, retired = _siblings()
+    held = (f"{PREFIX}_queue_depth", f"{PREFIX}_admitted_requests")
+    for families, alive in [*((f, True) for f in live), (retired, False)]:
         for family in families:
             for sample in family.samples:
-                if live and sample.name in (f"{PREFIX}_queue_depth", f"{PREFIX}_admitted_requests"):
+                if alive and sample.name in held:  # a dead worker holds nothing now
                     key = sample.name.removeprefix(f"{PREFIX}_")
                     out[key] = out.get(key, 0) + int(sample.value)
                 elif sample.name == f"{PREFIX}_rejected_requests_total":

@@ -173,21 +173,23 @@ class Router:
         # what the model must know to judge: on an idle fleet what waking a rank costs, on a
         # busy one what a running request costs; without it, the policy's choice stands
         busy = any(t.load.inflight for t in candidates)
-        fits = {}
+        known = {}  # worker id -> (its timing, its fit)
         for t in candidates:
             worker_id = t.worker.worker_id
-            if worker_id not in fits:
-                fit = fits[worker_id] = self.timing.of(worker_id).recent_fit()
+            if worker_id not in known:
+                timing = self.timing.of(worker_id)
+                fit = timing.recent_fit()
                 if not (fit.running_significant if busy else fit.move_significant):
                     return chosen
+                known[worker_id] = timing, fit
         predictions = {}
         for t in candidates:
-            worker_id, shape = t.worker.worker_id, shapes[t.key]
+            (timing, fit), shape = known[t.worker.worker_id], shapes[t.key]
             wait = shape.prompt_tokens - self._cached_tokens(t, shape, matched, primary)
-            predictions[t.key] = fits[worker_id].predict(
+            predictions[t.key] = fit.predict(
                 wait + t.load.queued_prefill_tokens,
                 t.load.inflight,
-                Timing.would_move(self.timing.of(worker_id), t),
+                Timing.would_move(timing, t),
             )
         quickest = min(candidates, key=lambda t: predictions[t.key])
         gain = predictions[chosen.key] - predictions[quickest.key]
