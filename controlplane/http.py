@@ -18,6 +18,8 @@ import threading
 
 import aiohttp
 
+from controlplane import http1
+
 # the proxy's connections to its engines: many at once, kept alive, no total deadline (a stream
 # lasts as long as it generates); per-request timeouts narrow these
 CONNECTIONS = 4096
@@ -67,7 +69,9 @@ class ClientPerLoop:
         return session
 
     async def aclose(self) -> None:
-        """Close the running loop's session (a loop's session can only be closed on it)."""
+        """Close the running loop's session (a loop's session can only be closed on it), and the
+        proxy's pooled connections on it (controlplane/http1.py)."""
+        http1.close_pool()
         session = self._sessions.pop(asyncio.get_running_loop(), None)
         if session is not None:
             await session.close()

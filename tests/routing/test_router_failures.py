@@ -156,6 +156,12 @@ def standin(cluster):
         )
         assert r.status_code == 201, r.text
         made.append((s, r.json()["id"]))
+        # the router learns the stand-in's ranks from its /server_info; until then a request for
+        # its model would go elsewhere (seen once, on a loaded machine)
+        assert wait_for(
+            lambda: sum(t.startswith(s.url) for t in healthy_targets(cluster.url)) == dp_size,
+            timeout=30,
+        ), healthy_targets(cluster.url)
         return s
 
     yield make

@@ -22,20 +22,17 @@ client did not ask for it, the usage-only event is dropped on the way.
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import logging
 import random
 import time
-
-import aiohttp
 
 from apps.routing.decision.dispatch import Dispatch
 from apps.routing.decision.request_shape import tokenize_off_loop
 from apps.routing.decision.router import NoTarget, Router
 from apps.routing.feeds import health
 from apps.routing.proxy import limits, wire
-from controlplane import http
+from controlplane import http1
 from controlplane.errors import error_bytes
 from engine.tokenize_cache import TooManyTokens
 from serving.asgi import SSE_HEADERS, end_body, send_body, send_chunk
@@ -168,33 +165,37 @@ async def _attempt(
         try:
             payload = wire.upstream_payload(body, dispatch, stream, ids)
             overhead_s = time.perf_counter() - since
-            response = await http.client.get().post(
+            response = await http1.pool().post(
                 target.worker.url + path,
-                data=payload,
-                headers=wire.upstream_headers(dispatch),
-                timeout=_timeout(config.connect_timeout_s, config.request_timeout_s),
+                payload,
+                wire.upstream_headers(dispatch),
+                connect_timeout_s=config.connect_timeout_s,
+                read_timeout_s=config.request_timeout_s,
             )
-        except aiohttp.ConnectionTimeoutError as exc:
+        except http1.ConnectTimeout as exc:
             ending.unreachable = True
             return ProxyError(
-                504, f"upstream {target.key} timed out connecting: {exc!r}", "server_error"
+                504, f"upstream {target.key} timed out connecting: {exc}", "server_error"
             )
-        except (TimeoutError, aiohttp.SocketTimeoutError) as exc:
+        except http1.ReadTimeout as exc:
             # The request reached the engine and may be generating: retrying would run it twice.
-            error = ProxyError(504, f"upstream {target.key} timed out: {exc!r}", "server_error")
+            error = ProxyError(504, f"upstream {target.key} timed out: {exc}", "server_error")
             await send_body(send, error.status, error.body())
             return None
-        except aiohttp.ClientConnectorError as exc:  # refused: the whole worker is gone
+        except http1.ConnectError as exc:  # refused: the whole worker is gone
             ending.unreachable = True
-            health.mark_unreachable(router, target.worker, f"unreachable: {exc!r}")
-            return ProxyError(502, f"upstream {target.key} unreachable: {exc!r}", "server_error")
-        except aiohttp.ClientError as exc:  # reset before an answer: dead, or a dropped socket?
+            health.mark_unreachable(router, target.worker, f"unreachable: {exc}")
+            return ProxyError(502, f"upstream {target.key} unreachable: {exc}", "server_error")
+        except http1.Disconnected as exc:  # reset before an answer: dead, or a dropped socket?
             ending.unreachable = True
             await health.confirm_reachable(router, target.worker)
-            return ProxyError(502, f"upstream {target.key} unreachable: {exc!r}", "server_error")
+            return ProxyError(502, f"upstream {target.key} unreachable: {exc}", "server_error")
         if response.status in RETRYABLE and not last_try:
             ending.unreachable = True
-            raw = await response.read()
+            try:
+                raw = await response.read()
+            except http1.UpstreamError:
+                raw = b""
             message = f"upstream {target.key} answered {response.status}"
             return ProxyError(response.status, message, "server_error", raw=raw or None)
         headers = wire.route_headers(dispatch, response, overhead_s)
@@ -205,8 +206,8 @@ async def _attempt(
         else:
             try:
                 content = await response.read()
-            except (TimeoutError, aiohttp.ClientError) as exc:
-                error = ProxyError(502, f"upstream {target.key} failed: {exc!r}", "server_error")
+            except http1.UpstreamError as exc:
+                error = ProxyError(502, f"upstream {target.key} failed: {exc}", "server_error")
                 await send_body(send, error.status, error.body())
                 return None
             ending.ok = response.status < 400
@@ -227,7 +228,7 @@ async def _relay_stream(dispatch, response, client_wants_usage: bool, send, head
     await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS + headers})
     buffer = b""
     try:
-        async for chunk in response.content.iter_any():
+        async for chunk in response.chunks():
             buffer += chunk
             if b"\n\n" not in buffer:
                 continue
@@ -246,13 +247,8 @@ async def _relay_stream(dispatch, response, client_wants_usage: bool, send, head
         if buffer:
             await send_chunk(send, buffer)
         ending.ok = True
-    except (TimeoutError, aiohttp.ClientError) as exc:
+    except http1.UpstreamError as exc:
         key = dispatch.target.key
-        error = ProxyError(502, f"upstream {key} failed mid-stream: {exc!r}", "server_error")
+        error = ProxyError(502, f"upstream {key} failed mid-stream: {exc}", "server_error")
         await send_chunk(send, b"data: " + error.body() + b"\n\ndata: [DONE]\n\n")
     await end_body(send)
-
-
-@functools.lru_cache(maxsize=8)
-def _timeout(connect_s: float, read_s: float):
-    return http.timeout(connect=connect_s, read=read_s)

@@ -1,0 +1,350 @@
+"""The proxy's own HTTP/1.1 client to its engines: an asyncio protocol per connection, httptools'
+response parser, a keep-alive pool per event loop.
+
+aiohttp stays the client for everything else (discovery, health, scrapes, KV events:
+controlplane/http.py). On the proxy's path it was ~15 % of the router's CPU per non-streamed
+request (py-spy at 32 connections, docs/benchmarks.md "What the router itself costs"): building
+a request object, a payload registry, header multidicts, a stream reader with its own buffers and
+timers. The proxy needs much less, and this is all it does:
+
+- ``post(url, body, headers, connect_timeout_s, read_timeout_s)``: one write of the request head
+  and body on a pooled connection (or a new one), then the answer's status and headers;
+- the body whole (``Response.read``) or as it arrives (``Response.chunks``: whatever has come
+  since the last read, joined), ``read_timeout_s`` at most between arrivals; reading from the
+  engine pauses while ``HIGH_WATER`` bytes wait for a slow client, so a stream costs bounded
+  memory;
+- ``Response.release``: the connection goes back to the pool when the answer was read whole and
+  the server keeps it alive; otherwise it is closed, which is how an engine learns that a client
+  left (it aborts the request and frees its KV blocks).
+
+Its errors say what the proxy must do next: ``ConnectError`` (refused, unresolvable: nobody
+listens, the whole worker is down), ``ConnectTimeout``, ``ReadTimeout`` (the engine has the
+request and may be generating: not to be retried), ``Disconnected`` (reset or closed before the
+answer was whole). A pooled connection is kept ``KEEPALIVE_S``, less than the engines' servers
+keep one idle (5 s), so no request goes out on a connection its server is closing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from collections import deque
+from functools import lru_cache
+from urllib.parse import urlsplit
+
+import httptools
+
+KEEPALIVE_S = 4.0
+HIGH_WATER = 256 * 1024  # bytes of an answer held for a slow client before reading pauses
+USER_AGENT = b"dpmesh-router"
+
+
+class UpstreamError(Exception):
+    """Anything that went wrong between the router and an engine."""
+
+
+class ConnectError(UpstreamError):
+    """Nobody listens there (refused, or the host does not resolve)."""
+
+
+class ConnectTimeout(UpstreamError):
+    """No connection within the connect timeout."""
+
+
+class ReadTimeout(UpstreamError, TimeoutError):
+    """Nothing arrived for the read timeout, before the answer was whole."""
+
+
+class Disconnected(UpstreamError):
+    """The connection closed or broke before the answer was whole (or the answer was not
+    HTTP)."""
+
+
+@lru_cache(maxsize=256)
+def _split(url: str) -> tuple[tuple, bytes]:
+    """((host, port, tls), the request's first two lines) for a POST to an http(s) URL; cached: a
+    worker's URL and path are the same for every request to it."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConnectError(f"not an http(s) URL: {url!r}")
+    tls = parts.scheme == "https"
+    port = parts.port or (443 if tls else 80)
+    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    if port != (443 if tls else 80):
+        host = f"{host}:{port}"
+    start = b"POST %s HTTP/1.1\r\nHost: %s\r\nUser-Agent: %s\r\n" % (
+        target.encode("ascii"),
+        host.encode("idna"),
+        USER_AGENT,
+    )
+    return (parts.hostname, port, tls), start
+
+
+class _Connection(asyncio.Protocol):
+    """One TCP connection and the answer being read on it."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.closed = False
+        self.idle_since = 0.0
+        self._reset()
+
+    def _reset(self) -> None:
+        self.status = 0
+        self.raw_headers: list[tuple[bytes, bytes]] = []
+        self.headers_done = self.complete = self.paused = self.keep_alive = False
+        self.body: list[bytes] = []
+        self.buffered = 0
+        self.error: UpstreamError | None = None
+        self.waiter: asyncio.Future | None = None
+
+    # asyncio's side
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._fail(Disconnected("the engine answered with a protocol upgrade"))
+        except httptools.HttpParserError as exc:
+            self._fail(Disconnected(f"the engine's answer is not HTTP: {exc}"))
+        self._wake()
+
+    def eof_received(self) -> bool:
+        return False  # close our side too
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if not self.complete and self.error is None:
+            if self.headers_done and self._ends_at_close():
+                self.complete = True  # a body without a length ends when the connection does
+            else:
+                reason = f": {exc!r}" if exc else ""
+                self.error = Disconnected(f"the engine closed the connection{reason}")
+        self._wake()
+
+    # httptools' side
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.raw_headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+        self.keep_alive = self.parser.should_keep_alive()  # known here, not after the body
+        self.headers_done = True
+
+    def on_body(self, body: bytes) -> None:
+        self.body.append(body)
+        self.buffered += len(body)
+        if self.buffered > HIGH_WATER and not self.paused and not self.closed:
+            self.paused = True
+            self.transport.pause_reading()
+
+    def on_message_complete(self) -> None:
+        self.complete = True
+
+    # the reader's side
+    def take(self) -> bytes:
+        data = self.body[0] if len(self.body) == 1 else b"".join(self.body)
+        self.body.clear()
+        self.buffered = 0
+        if self.paused and not self.closed:
+            self.paused = False
+            self.transport.resume_reading()
+        return data
+
+    async def wait(self, timeout_s: float | None) -> None:
+        """Until something more arrives (or the connection ends), at most ``timeout_s``."""
+        waiter = self.waiter = self.loop.create_future()
+        timer = self.loop.call_later(timeout_s, self._time_out, waiter) if timeout_s else None
+        try:
+            await waiter
+        finally:
+            self.waiter = None
+            if timer is not None:
+                timer.cancel()
+
+    def _time_out(self, waiter: asyncio.Future) -> None:
+        if not waiter.done():
+            waiter.set_exception(ReadTimeout("no answer from the engine within the read timeout"))
+
+    def _wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _fail(self, error: UpstreamError) -> None:
+        self.error = error
+        self.close()
+
+    def _ends_at_close(self) -> bool:
+        for name, value in self.raw_headers:
+            lowered = name.lower()
+            if lowered == b"content-length" or (
+                lowered == b"transfer-encoding" and b"chunked" in value.lower()
+            ):
+                return False
+        return True
+
+    def reusable(self) -> bool:
+        return self.complete and not self.closed and self.keep_alive
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.transport.close()
+
+
+class Response:
+    """An engine's answer: ``status``, ``headers`` (lower-case names, the first value of each),
+    and its body through ``read`` or ``chunks``; ``release`` when done with it, always."""
+
+    __slots__ = ("status", "_raw", "_headers", "_conn", "_pool", "_key", "_timeout_s")
+
+    def __init__(self, conn: _Connection, pool: Pool, key: tuple, timeout_s: float | None):
+        self.status = conn.status
+        self._raw = conn.raw_headers
+        self._headers: dict[str, str] | None = None
+        self._conn, self._pool, self._key, self._timeout_s = conn, pool, key, timeout_s
+
+    @property
+    def headers(self) -> dict[str, str]:
+        if self._headers is None:
+            headers: dict[str, str] = {}
+            for name, value in self._raw:
+                headers.setdefault(name.decode("latin-1").lower(), value.decode("latin-1"))
+            self._headers = headers
+        return self._headers
+
+    async def read(self) -> bytes:
+        conn = self._conn
+        while not conn.complete:
+            if conn.error is not None:
+                raise conn.error
+            await conn.wait(self._timeout_s)
+        return conn.take()
+
+    async def chunks(self):
+        """What has arrived since the last step, until the answer is whole."""
+        conn = self._conn
+        while True:
+            if conn.body:
+                yield conn.take()
+            elif conn.complete:
+                return
+            elif conn.error is not None:
+                raise conn.error
+            else:
+                await conn.wait(self._timeout_s)
+
+    def release(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        if conn.reusable() and not conn.body:
+            self._pool.put(self._key, conn)
+        else:
+            conn.close()
+
+
+class Pool:
+    """Idle keep-alive connections per (host, port, tls), most recently used first."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._idle: dict[tuple, deque[_Connection]] = {}
+        self._tls: ssl.SSLContext | None = None
+
+    async def post(
+        self,
+        url: str,
+        body: bytes,
+        headers: dict[str, str],
+        *,
+        connect_timeout_s: float | None,
+        read_timeout_s: float | None,
+    ) -> Response:
+        key, start = _split(url)
+        conn = self._take_idle(key) or await self._connect(key, connect_timeout_s)
+        conn._reset()
+        head = [start]
+        for name, value in headers.items():
+            head.append(b"%s: %s\r\n" % (name.encode("latin-1"), value.encode("latin-1")))
+        head.append(b"Content-Length: %d\r\n\r\n" % len(body))
+        request = b"".join(head)
+        try:
+            if len(body) < 65536:
+                conn.transport.write(request + body)
+            else:
+                conn.transport.writelines((request, body))
+            while not conn.headers_done:
+                if conn.error is not None:
+                    raise conn.error
+                await conn.wait(read_timeout_s)
+        except BaseException:
+            conn.close()
+            raise
+        return Response(conn, self, key, read_timeout_s)
+
+    def _take_idle(self, key: tuple) -> _Connection | None:
+        idle = self._idle.get(key)
+        deadline = self.loop.time() - KEEPALIVE_S
+        while idle:
+            conn = idle.pop()
+            if not conn.closed and conn.idle_since > deadline:
+                return conn
+            conn.close()
+        return None
+
+    async def _connect(self, key: tuple, timeout_s: float | None) -> _Connection:
+        host, port, tls = key
+        if tls and self._tls is None:
+            self._tls = ssl.create_default_context()
+        try:
+            async with asyncio.timeout(timeout_s):
+                _, conn = await self.loop.create_connection(
+                    lambda: _Connection(self.loop), host, port, ssl=self._tls if tls else None
+                )
+        except TimeoutError as exc:
+            raise ConnectTimeout(f"no connection to {host}:{port} in {timeout_s} s") from exc
+        except OSError as exc:  # refused, unreachable, does not resolve
+            raise ConnectError(f"cannot connect to {host}:{port}: {exc!r}") from exc
+        return conn
+
+    def put(self, key: tuple, conn: _Connection) -> None:
+        now = self.loop.time()
+        conn.idle_since = now
+        idle = self._idle.setdefault(key, deque())
+        while idle and (idle[0].closed or idle[0].idle_since <= now - KEEPALIVE_S):
+            idle.popleft().close()  # the oldest first: no idle list outgrows its busiest moment
+        idle.append(conn)
+
+    def close(self) -> None:
+        for idle in self._idle.values():
+            while idle:
+                idle.pop().close()
+        self._idle.clear()
+
+
+_pools: dict[asyncio.AbstractEventLoop, Pool] = {}
+
+
+def pool() -> Pool:
+    """The running loop's pool (pools of loops closed since are dropped as a new one is made)."""
+    loop = asyncio.get_running_loop()
+    found = _pools.get(loop)
+    if found is None:
+        for old in [old for old in _pools if old.is_closed()]:
+            _pools.pop(old)
+        found = _pools[loop] = Pool(loop)
+    return found
+
+
+def close_pool() -> None:
+    """Close the running loop's idle connections (a test's loop, before it ends)."""
+    found = _pools.pop(asyncio.get_running_loop(), None)
+    if found is not None:
+        found.close()
