@@ -23,7 +23,7 @@ class Server:
 
     async def __aenter__(self):
         self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        self.url = "http://127.0.0.1:%d" % self.server.sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
         return self
 
     async def __aexit__(self, *exc):
@@ -147,7 +147,7 @@ async def test_nothing_within_the_read_timeout_is_a_read_timeout():
 
 async def test_a_connection_refused_is_a_connect_error():
     with pytest.raises(http1.ConnectError):
-        await post("http://127.0.0.1:%d" % free_port())
+        await post(f"http://127.0.0.1:{free_port()}")
 
 
 async def test_a_connection_closed_mid_answer_is_disconnected():
