@@ -105,10 +105,11 @@ def _run_mixed(model_impl: str, dtype: str, monkeypatch) -> tuple[list, list, LL
     return outs, logits, engine
 
 
-# The native path runs transformers' ops in transformers' order, so on this project's CPUs the
-# logits agree bit for bit in both dtypes; the tolerances leave room for a BLAS that sums a fused
-# matmul's rows in another order.
-@pytest.mark.parametrize(("dtype", "atol"), [("float32", 1e-5), ("bfloat16", 2**-6)])
+# The native path runs transformers' ops in transformers' order, so on most of this project's
+# CPUs the logits agree bit for bit in both dtypes; the tolerances leave room for a BLAS that sums
+# a fused matmul's rows in another order (seen 2026-12-03 on one AMD EPYC machine: 1.01e-5 in
+# fp32, greedy tokens still equal). A wrong op moves logits by far more than either.
+@pytest.mark.parametrize(("dtype", "atol"), [("float32", 1e-4), ("bfloat16", 2**-6)])
 def test_native_matches_transformers_on_a_mixed_batch(dtype, atol, monkeypatch):
     native_outs, native_logits, engine = _run_mixed("auto", dtype, monkeypatch)
     assert engine.runner.model_impl == "native"
