@@ -110,6 +110,8 @@ def server_info(args, client, model_path: str, dp_size: int, tp_size: int, token
         "kv_events": "/kv_events",  # the prefix caches as they change (SSE), for precise routing
         # new at every start: a router that sees it change knows the prefix caches are empty
         "instance_id": uuid.uuid4().hex,
+        # prefill/decode disaggregation (engine/kv_transfer.py): null, prefill or decode
+        "disaggregation_mode": args.disaggregation_mode,
     }
     if args.simulate:
         info["simulate"] = {
