@@ -151,9 +151,10 @@ def test_a_second_decode_of_the_same_prefix_pulls_only_what_it_lacks(pd):
     r = post(decode.url, body_for(False, shared + " psi chi", data_parallel_rank=0,
              kv_transfer_params=params), False)  # fmt: skip
     assert r.status_code == 200, r.text
-    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == params[
-        "remote_num_cached_tokens"
-    ]
+    assert (
+        r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        == params["remote_num_cached_tokens"]
+    )
     time.sleep(0.5)  # stats every 0.25 s
     assert pulled() - before - first <= 1  # at most the block the new suffix changed
 
