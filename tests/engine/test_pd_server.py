@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
+from pathlib import Path
 
 import httpx
 import pytest
 
-from harness.procs import metrics, start_engine, wait_for
+from harness.procs import free_port, metrics, start, start_engine, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -200,3 +203,35 @@ def test_server_info_and_kv_transfer_info_say_the_role_and_where_to_pull(pd):
     assert httpx.get(decode.url + "/server_info", timeout=10).json()["disaggregation_mode"] == (
         "decode"
     )
+
+
+@pytest.fixture(scope="module")
+def vllm_router(pd, tmp_path_factory):
+    """vllm-router (PyPI, requirements.txt) in its vLLM prefill/decode mode in front of ours."""
+    exe = shutil.which("vllm-router", path=str(Path(sys.executable).parent))
+    assert exe, "vllm-router is a test dependency (requirements.txt)"
+    prefill, decode = pd
+    port = free_port()
+    cmd = [exe, "--host", "127.0.0.1", "--port", str(port), "--vllm-pd-disaggregation",
+           "--kv-connector", "nixl", "--prefill", prefill.url, "--decode", decode.url,
+           "--policy", "round_robin", "--prometheus-port", str(free_port())]  # fmt: skip
+    log = tmp_path_factory.mktemp("vllm-router") / "router.log"
+    with start(cmd, f"http://127.0.0.1:{port}", log, timeout=60) as router:
+        yield router
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_vllm_router_drives_our_prefill_and_decode_workers_unchanged(pd, vllm_router, chat, stream):
+    prefill, decode = pd
+    pulled = lambda: sum(metrics(decode.url).get(("kv_transfer_blocks_pulled", r), 0)  # noqa: E731
+                         for r in range(DP))  # fmt: skip
+    before = pulled()
+    text = prompt_text(500 + 2 * chat + stream)
+    r = post(vllm_router.url, body_for(chat, text, stream), chat)
+    assert r.status_code == 200, f"{r.status_code} {r.text}\n{vllm_router.log()}"
+    got = streamed(r, chat)[0] if stream else text_of(r.json(), chat)
+    single = post(prefill.url, body_for(chat, text), chat).json()
+    assert got == text_of(single, chat) and got
+    assert wait_for(lambda: pulled() > before, timeout=5), "the decode worker pulled nothing"
+    assert wait_for(lambda: held_and_used(prefill.url) == (0, 0), timeout=10)
