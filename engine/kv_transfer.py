@@ -90,29 +90,42 @@ class Served:
 
 class KVServer:
     """A prefill rank's listener. ``holds`` is the rank's view of its held blocks that this
-    thread may read: request id -> (block ids, digests), kept by the rank's loop; a request id
-    being served is in ``busy`` (the loop does not expire it meanwhile); each pull served goes
-    to ``done`` for the loop to release."""
+    thread may read: hold key -> (block ids, digests, cached tokens), kept by the rank's loop; a
+    key being served is in ``busy`` (the loop does not expire it meanwhile); each pull served
+    goes to ``done`` for the loop to release. A pull may ``wait_s`` for its key to be offered
+    (SGLang's protocol sends the decode leg while the prefill runs); a prefill that failed is
+    ``fail``-ed, so a pull waiting for it ends at once instead of at its deadline."""
+
+    FAILURES_KEPT = 1024
 
     def __init__(self, host: str, port: int, layout: dict, export):
         self.layout, self.export = layout, export
-        self.lock = threading.Lock()
-        self.holds: dict[str, tuple[list[int], list[int]]] = {}
+        self.lock = threading.Condition()
+        self.holds: dict[str, tuple[list[int], list[int], int]] = {}
         self.busy: set[str] = set()
+        self.failed: dict[str, str] = {}  # key -> why its prefill ended without KV
         self.done: queue.SimpleQueue[Served] = queue.SimpleQueue()
         self.sock = socket.create_server((host, port))
         self.port = self.sock.getsockname()[1]
         threading.Thread(target=self._accept, name="kv-server", daemon=True).start()
 
-    def offer(self, request_id: str, block_ids: list[int], digests: list[int]) -> None:
+    def offer(self, key: str, block_ids: list[int], digests: list[int], cached: int = 0) -> None:
         with self.lock:
-            self.holds[request_id] = (block_ids, digests)
+            self.holds[key] = (block_ids, digests, cached)
+            self.lock.notify_all()
 
-    def take(self, request_id: str) -> bool:
+    def fail(self, key: str, reason: str) -> None:
+        with self.lock:
+            self.failed[key] = reason
+            while len(self.failed) > self.FAILURES_KEPT:
+                del self.failed[next(iter(self.failed))]
+            self.lock.notify_all()
+
+    def take(self, key: str) -> bool:
         """Withdraw an offer nobody is pulling (to expire it): False if a pull has it now (the
         pull's ``Served`` releases it then)."""
         with self.lock:
-            return self.holds.pop(request_id, None) is not None or request_id not in self.busy
+            return self.holds.pop(key, None) is not None or key not in self.busy
 
     def close(self) -> None:
         self.sock.close()
@@ -125,37 +138,50 @@ class KVServer:
                 return  # closed
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
+    def _claim(self, key, wait_s: float):
+        """The offer under ``key`` taken for this pull (busy meanwhile), waiting up to
+        ``wait_s`` for it; else an error message."""
+        if not isinstance(key, str):
+            return "'request_id' must be a string"
+        deadline = time.monotonic() + max(0.0, min(float(wait_s or 0), IO_TIMEOUT_S))
+        with self.lock:
+            while True:
+                found = self.holds.pop(key, None)
+                if found is not None:
+                    self.busy.add(key)
+                    return found
+                if key in self.failed:
+                    return f"the prefill ended without KV to send: {self.failed[key]}"
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return NOT_HELD
+                self.lock.wait(left)
+
     def _serve(self, conn: socket.socket) -> None:
-        request_id = None
+        key = None
         with conn:
             conn.settimeout(IO_TIMEOUT_S)
             try:
                 ask = recv_frame(conn)
-                request_id = ask.get("request_id")
                 if ask.get("layout") != self.layout:
                     send_frame(conn, {"ok": False, "error": self._mismatch(ask.get("layout"))})
-                    request_id = None  # nothing taken: the hold stays for a proper pull
+                    return  # nothing taken: the hold stays for a proper pull
+                found = self._claim(ask.get("request_id"), ask.get("wait_s") or 0)
+                if isinstance(found, str):
+                    send_frame(conn, {"ok": False, "error": found})
                     return
-                with self.lock:
-                    key = request_id if isinstance(request_id, str) else None
-                    found = self.holds.pop(key, None)
-                    if found is not None:
-                        self.busy.add(request_id)
-                if found is None:
-                    request_id = None
-                    send_frame(conn, {"ok": False, "error": NOT_HELD})
-                    return
-                self._answer(conn, ask, request_id, *found)
-            except (OSError, ValueError) as exc:
-                logger.warning("KV pull for %s failed: %r", request_id, exc)
-                if request_id is not None:
-                    self.done.put(Served(request_id, 0, 0, 0.0))
+                key = ask["request_id"]
+                self._answer(conn, ask, key, *found)
+            except (OSError, ValueError, TypeError) as exc:
+                logger.warning("KV pull for %s failed: %r", key, exc)
+                if key is not None:
+                    self.done.put(Served(key, 0, 0, 0.0))
             finally:
-                if request_id is not None:
+                if key is not None:
                     with self.lock:
-                        self.busy.discard(request_id)
+                        self.busy.discard(key)
 
-    def _answer(self, conn, ask: dict, request_id: str, block_ids: list[int], digests: list[int]):
+    def _answer(self, conn, ask: dict, key: str, block_ids, digests, cached: int) -> None:
         started = time.monotonic()
         wanted = ask.get("blocks") if ask.get("op") == "pull" else []
         if not isinstance(wanted, list) or not all(
@@ -163,13 +189,15 @@ class KVServer:
         ):
             error = f"'blocks' must be indices below {len(block_ids)}"
             send_frame(conn, {"ok": False, "error": error})
-            self.done.put(Served(request_id, 0, 0, 0.0))
+            self.done.put(Served(key, 0, 0, 0.0))
             return
         data = self.export([block_ids[i] for i in wanted]) if wanted else b""
-        send_frame(conn, {"ok": True, "digests": [digests[i] for i in wanted], "bytes": len(data)})
+        digests = [digests[i] for i in wanted]
+        send_frame(conn, {"ok": True, "digests": digests, "bytes": len(data),
+                          "cached_tokens": cached})  # fmt: skip
         if data:
             conn.sendall(data)
-        self.done.put(Served(request_id, len(wanted), len(data), time.monotonic() - started))
+        self.done.put(Served(key, len(wanted), len(data), time.monotonic() - started))
 
     def _mismatch(self, theirs) -> str:
         return (
@@ -181,20 +209,22 @@ class KVServer:
 def pull(
     host: str,
     port: int,
-    request_id: str,
+    key: str,
     blocks: list[int],
     digests: list[int],
     layout: dict,
-) -> bytes:
-    """Fetch the KV of ``blocks`` (indices into the prefill's held blocks) of ``request_id`` from
-    a prefill rank, checking that they are the blocks ``digests`` name; with no ``blocks``, only
-    release the hold. Raises ``TransferError``."""
+    wait_s: float = 0.0,
+) -> tuple[bytes, int]:
+    """Fetch the KV of ``blocks`` (indices into the prefill's held blocks) held under ``key``
+    from a prefill rank, checking that they are the blocks ``digests`` name; with no ``blocks``,
+    only release the hold. ``wait_s``: how long the prefill rank may wait for the prefill to
+    end. Returns (the bytes, the tokens the prefill found cached). Raises ``TransferError``."""
     op = "pull" if blocks else "release"
     try:
         with socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S) as sock:
-            sock.settimeout(IO_TIMEOUT_S)
-            send_frame(sock, {"op": op, "request_id": request_id, "blocks": blocks,
-                              "layout": layout})  # fmt: skip
+            sock.settimeout(IO_TIMEOUT_S + wait_s)
+            send_frame(sock, {"op": op, "request_id": key, "blocks": blocks, "layout": layout,
+                              "wait_s": wait_s})  # fmt: skip
             answer = recv_frame(sock)
             if not answer.get("ok"):
                 error = answer.get("error")
@@ -205,6 +235,7 @@ def pull(
                     "model or tokenizer there)",
                     400,
                 )
-            return recv_exact(sock, int(answer.get("bytes", 0))) if blocks else b""
+            data = recv_exact(sock, int(answer.get("bytes", 0))) if blocks else b""
+            return data, int(answer.get("cached_tokens") or 0)
     except (OSError, ValueError) as exc:
         raise TransferError(f"pulling KV from {host}:{port} failed: {exc!r}") from exc

@@ -48,7 +48,7 @@ class _Request:
     seq: Sequence
     detok: IncrementalDetokenizer
     stop_ids: set[int] = field(default_factory=set)
-    hold_kv: bool = False  # keep the prompt's blocks when it ends (a prefill for a remote decode)
+    hold_key: str | None = None  # a prefill for a remote decode: hold its blocks under this
     cached_tokens: int | None = None  # what to report as cached (a decode: the prefill side's)
 
 
@@ -60,6 +60,7 @@ class Held:
     block_ids: list[int]
     digests: list[int]
     deadline: float
+    cached_tokens: int  # what the prefill found cached: the decode side reports it
 
 
 def load_model(config: EngineConfig, model_path: str):
@@ -113,7 +114,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.block_manager)
         self.cache_stats = CacheStats(self.log, config.stats_interval)
         self.requests: dict[str, _Request] = {}
-        self.held: dict[str, Held] = {}  # request id -> its held blocks
+        self.held: dict[str, Held] = {}  # hold key -> held blocks
+        self.new_holds: list[str] = []  # hold keys since ``take_new_holds``
         self.kv_transfer_timeout_s = 480.0  # vLLM's default wait for a decode to pull
 
     # ----- requests ------------------------------------------------------------------------
@@ -123,15 +125,19 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams,
         *,
-        hold_kv: bool = False,
+        hold_key: str | None = None,
         cached_tokens: int | None = None,
     ) -> Sequence:
         """Queue a request. Raises ValueError (nothing queued) for an empty or too long prompt,
-        a duplicate id, or a prompt that could never fit the KV pool. ``hold_kv``: a prefill for
-        a remote decode, whose prompt blocks stay held when it ends (``held``); ``cached_tokens``:
-        the cached count to report instead of this rank's own (a decode reports its prefill's)."""
-        if request_id in self.requests or request_id in self.held:
+        a duplicate id, or a prompt that could never fit the KV pool. ``hold_key``: a prefill for
+        a remote decode, whose prompt blocks stay held under that key when it ends (``held``;
+        the key is the request id for vLLM's protocol, the bootstrap room for SGLang's);
+        ``cached_tokens``: the cached count to report instead of this rank's own (a decode
+        reports its prefill's)."""
+        if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running")
+        if hold_key is not None and (hold_key in self.held or self._holding(hold_key)):
+            raise ValueError(f"KV is already held under {hold_key!r}")
         ids = (
             self.tokenizer.encode(prompt, add_special_tokens=False)
             if isinstance(prompt, str)
@@ -144,7 +150,7 @@ class LLMEngine:
             seq,
             IncrementalDetokenizer(self.tokenizer, params.stop),
             stop_ids,
-            hold_kv,
+            hold_key,
             cached_tokens,
         )
         self.scheduler.add(seq)
@@ -179,21 +185,29 @@ class LLMEngine:
         return bool(self.requests)
 
     # ----- prefill/decode disaggregation (engine/kv_transfer.py) ------------------------------
-    def release_held(self, request_id: str) -> bool:
+    def _holding(self, key: str) -> bool:
+        return any(r.hold_key == key for r in self.requests.values())
+
+    def take_new_holds(self) -> list[tuple[str, Held]]:
+        """The holds made since the last call (for the transfer server to offer)."""
+        keys, self.new_holds = self.new_holds, []
+        return [(k, self.held[k]) for k in keys if k in self.held]
+
+    def release_held(self, key: str) -> bool:
         """Give back a prefill's held blocks (pulled, or given up). False if none are held."""
-        held = self.held.pop(request_id, None)
+        held = self.held.pop(key, None)
         if held is None:
             return False
         self.block_manager.release(held.block_ids)
         return True
 
-    def expire_held(self, now: float, withdraw=lambda request_id: True) -> list[str]:
-        """Release the holds past their deadline that ``withdraw(request_id)`` lets go (the
-        transfer server's: not one being pulled now)."""
-        expired = [r for r, h in self.held.items() if h.deadline <= now and withdraw(r)]
-        for request_id in expired:
-            self.log.warning("KV of request %s was never pulled: released", request_id)
-            self.release_held(request_id)
+    def expire_held(self, now: float, withdraw=lambda key: True) -> list[str]:
+        """Release the holds past their deadline that ``withdraw(key)`` lets go (the transfer
+        server's: not one being pulled now)."""
+        expired = [k for k, h in self.held.items() if h.deadline <= now and withdraw(k)]
+        for key in expired:
+            self.log.warning("KV held under %s was never pulled: released", key)
+            self.release_held(key)
         return expired
 
     def import_prefix(self, prompt_ids: list[int], first: int, data: bytes, count: int) -> int:
@@ -279,7 +293,7 @@ class LLMEngine:
                 req.detok.flush(seq.output_token_ids[:-1])
             elif not matched_stop_string:
                 req.detok.flush(seq.output_token_ids)
-            held = self._hold(seq) if req.hold_kv else None
+            held = self._hold(seq, req.hold_key) if req.hold_key is not None else None
             self.scheduler.finish(seq, reason)
             del self.requests[seq.request_id]
         return RequestOutput(
@@ -294,15 +308,17 @@ class LLMEngine:
             held.block_ids if reason and held else None,
         )
 
-    def _hold(self, seq: Sequence) -> Held:
+    def _hold(self, seq: Sequence, key: str) -> Held:
         """Keep ``seq``'s full prompt blocks (all computed: its first token is sampled)."""
         count = seq.num_prompt_tokens // self.config.block_size
         held = Held(
             self.block_manager.hold(seq, count),
             [seq.digest(i) for i in range(count)],
             time.monotonic() + self.kv_transfer_timeout_s,
+            seq.num_cached_tokens,
         )
-        self.held[seq.request_id] = held
+        self.held[key] = held
+        self.new_holds.append(key)
         return held
 
     # ----- convenience -----------------------------------------------------------------------

@@ -238,14 +238,14 @@ class EngineApp:
         # a long text prompt is tokenized in a worker thread: the loop keeps streaming meanwhile
         long = prompt_text_chars(body, chat) >= OFF_LOOP_CHARS
         req = await asyncio.to_thread(parse) if long else parse()
-        transfer = pd.transfer_fields(body, self.client.config.disaggregation_mode)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        hint, transfer = await self._transfer(body, req, rid)
         try:
-            rank = self.client.choose_rank(req.rank_hint)
+            rank = self.client.choose_rank(hint)
         except RankUnavailable as exc:
             raise APIError(503, str(exc)) from exc
         if req.pretokenized:
             self.client.ranks[rank].counters.pretokenized += 1
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         outputs = self.client.generate(rid, rank, req.prompt_token_ids, req.params, **transfer)
         relay = (
             self._stream(req, rid, rank, outputs, send)
@@ -253,6 +253,21 @@ class EngineApp:
             else self._complete(req, rid, rank, outputs, send)
         )
         await until_disconnect(relay, receive)
+
+    async def _transfer(self, body: dict, req, rid: str) -> tuple[int | None, dict]:
+        """(the rank hint, ``generate``'s transfer keywords) of a prefill/decode leg, either
+        protocol (engine/server/pd.py); an ordinary request's own hint and none."""
+        config = self.client.config
+        mode = config.disaggregation_mode
+        room = pd.bootstrap_room(body) if mode else None
+        if room is None:
+            return req.rank_hint, pd.transfer_fields(body, mode, rid)
+        if mode == "prefill":  # SGLang's prefill leg: prefill only, held under its room
+            req.params.max_tokens = 1
+            rank = pd.sglang_prefill_rank(body, room, req.rank_hint, self.client.dp_size)
+            return rank, {"hold_key": pd.room_key(room)}
+        wait_s = min(config.kv_transfer_timeout_s, pd.DECODE_WAIT_S)
+        return req.rank_hint, await pd.sglang_decode_fields(body, room, wait_s)
 
     async def _complete(self, req, rid, rank, outputs, send):
         text, last = [], None

@@ -153,6 +153,13 @@ def _add_operations(parser: argparse.ArgumentParser) -> None:
         "pull; decode: pull the KV a prefill worker computed, then generate (SGLang's flag)",
     )
     pd.add_argument(
+        "--disaggregation-bootstrap-port",
+        type=int,
+        default=8998,
+        help="a prefill worker's bootstrap listener for SGLang's protocol: decode workers ask it "
+        "where a request's KV is (0: any free port, reported on /server_info)",
+    )
+    pd.add_argument(
         "--kv-transfer-host",
         default=None,
         help="the address decode workers reach this prefill worker's ranks on (default: --host, "

@@ -19,8 +19,9 @@ class PullKV:
 
     host: str
     port: int
-    request_id: str
-    num_blocks: int
+    request_id: str  # the key the blocks are held under (SGLang's protocol: the room's)
+    num_blocks: int | None  # None: not said (SGLang's protocol); the prompt's full blocks
+    wait_s: float = 0.0  # how long the prefill may still take (SGLang's: legs run at once)
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,7 @@ class AddRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    hold_kv: bool = False  # a prefill for a remote decode: hold its prompt blocks at the end
+    hold_key: str | None = None  # a prefill for a remote decode: hold its blocks under this
     pull: PullKV | None = None  # a decode of a remote prefill: pull its blocks first
     cached_tokens: int | None = None  # what to report as cached (a decode: its prefill's)
 

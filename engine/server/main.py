@@ -198,6 +198,13 @@ def serve(args) -> int:
         client.shutdown()
         return 1
     info = server_info(args, client, model_path, dp_size, tp_size, tokenizer)
+    if args.disaggregation_mode == "prefill":
+        from engine.server.pd import BootstrapServer
+
+        bootstrap = BootstrapServer(args.host, args.disaggregation_bootstrap_port, client)
+        info["disaggregation_bootstrap_port"] = bootstrap.port
+        # SGLang's name: a router knows the prefill rank is the room's (engine/server/pd.py)
+        info["load_balance_method"] = "follow_bootstrap_room"
     app = EngineApp(client, tokenizer, info, max_body_bytes=args.max_body_bytes)
     url = f"http://{args.host}:{args.port}"
     if args.register_with:

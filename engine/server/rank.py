@@ -8,7 +8,7 @@ import queue
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from multiprocessing.connection import Connection
 
 from engine import kv_transfer
@@ -110,6 +110,9 @@ class RankLoop:
                 self._add(msg)
         elif isinstance(msg, AbortRequest):
             if self.pulls.pop(msg.request_id, None) is None:
+                req = self.engine.requests.get(msg.request_id)
+                if req is not None and req.hold_key is not None and self.kv_server is not None:
+                    self.kv_server.fail(req.hold_key, "the prefill was aborted")
                 self.engine.abort_request(msg.request_id)
         self.stats_dirty = True
         return True
@@ -120,11 +123,13 @@ class RankLoop:
                 msg.request_id,
                 msg.prompt_token_ids,
                 msg.params,
-                hold_kv=msg.hold_kv,
+                hold_key=msg.hold_key,
                 cached_tokens=msg.cached_tokens,
             )
         except ValueError as exc:  # the front validates first; this is the last line of defence
             self.errors[msg.request_id] = str(exc)
+            if msg.hold_key is not None and self.kv_server is not None:
+                self.kv_server.fail(msg.hold_key, str(exc))
 
     # ----- decode: pull, then run ----------------------------------------------------------
     def _start_pull(self, msg: AddRequest) -> None:
@@ -133,7 +138,9 @@ class RankLoop:
         engine, pull = self.engine, msg.pull
         ids = msg.prompt_token_ids
         seq = Sequence(ids, msg.params, block_size=engine.config.block_size)
-        usable = min(pull.num_blocks, (len(ids) - 1) // engine.config.block_size)
+        usable = (len(ids) - 1) // engine.config.block_size
+        if pull.num_blocks is not None:
+            usable = min(usable, pull.num_blocks)
         first = len(engine.block_manager.cached_prefix(seq, usable))
         wanted = list(range(first, usable))
         digests = [seq.digest(i) for i in wanted]
@@ -146,15 +153,18 @@ class RankLoop:
     def _pull(self, msg: AddRequest, first: int, wanted, digests, layout) -> None:
         pull, started = msg.pull, time.monotonic()
         try:
-            data = kv_transfer.pull(pull.host, pull.port, pull.request_id, wanted, digests, layout)
-            self.pulled.put((msg, first, len(wanted), data, None, time.monotonic() - started))
+            data, cached = kv_transfer.pull(
+                pull.host, pull.port, pull.request_id, wanted, digests, layout, pull.wait_s
+            )
+            seconds = time.monotonic() - started
+            self.pulled.put((msg, first, len(wanted), data, cached, None, seconds))
         except kv_transfer.TransferError as exc:
-            self.pulled.put((msg, first, len(wanted), b"", exc, 0.0))
+            self.pulled.put((msg, first, len(wanted), b"", 0, exc, 0.0))
 
     def _finish_pulls(self) -> None:
         while True:
             try:
-                msg, first, count, data, error, seconds = self.pulled.get_nowait()
+                msg, first, count, data, cached, error, seconds = self.pulled.get_nowait()
             except queue.Empty:
                 return
             if self.pulls.pop(msg.request_id, None) is None:
@@ -177,14 +187,14 @@ class RankLoop:
                     seconds * 1000,
                     "" if got else "; not kept (no room, or the local prefix was evicted)",
                 )
+            if msg.cached_tokens is None:  # what the prefill side had cached, as it says
+                msg = replace(msg, cached_tokens=cached)
             self._add(msg)
 
     # ----- prefill: offer, release, expire ----------------------------------------------------
-    def _offer(self, outputs) -> None:
-        for out in outputs:
-            if out.held_block_ids is not None:
-                held = self.engine.held[out.request_id]
-                self.kv_server.offer(out.request_id, held.block_ids, held.digests)
+    def _offer(self) -> None:
+        for key, held in self.engine.take_new_holds():
+            self.kv_server.offer(key, held.block_ids, held.digests, held.cached_tokens)
 
     def _release_served(self) -> None:
         while True:
@@ -243,7 +253,7 @@ class RankLoop:
             if outputs:
                 self.stats_dirty = True
                 if self.kv_server is not None:
-                    self._offer(outputs)
+                    self._offer()
             self.ship(outputs)
 
 

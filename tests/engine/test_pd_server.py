@@ -48,6 +48,8 @@ def pd(tmp_path_factory):
                         mode,
                         "--kv-transfer-timeout-secs",
                         "3",
+                        "--disaggregation-bootstrap-port",
+                        "0",
                     )
                 ),
                 mode,
@@ -230,6 +232,80 @@ def test_vllm_router_drives_our_prefill_and_decode_workers_unchanged(pd, vllm_ro
     text = prompt_text(500 + 2 * chat + stream)
     r = post(vllm_router.url, body_for(chat, text, stream), chat)
     assert r.status_code == 200, f"{r.status_code} {r.text}\n{vllm_router.log()}"
+    got = streamed(r, chat)[0] if stream else text_of(r.json(), chat)
+    single = post(prefill.url, body_for(chat, text), chat).json()
+    assert got == text_of(single, chat) and got
+    assert wait_for(lambda: pulled() > before, timeout=5), "the decode worker pulled nothing"
+    assert wait_for(lambda: held_and_used(prefill.url) == (0, 0), timeout=10)
+
+
+def sglang_fields(prefill, room: int) -> dict:
+    port = httpx.get(prefill.url + "/server_info", timeout=10).json()[
+        "disaggregation_bootstrap_port"
+    ]
+    return {"bootstrap_host": "127.0.0.1", "bootstrap_port": port, "bootstrap_room": room}
+
+
+def test_sglang_legs_sent_at_once_decode_as_one_engine_does(pd):
+    prefill, decode = pd
+    text = prompt_text(31337)
+    room = 12345  # rank 1 of 2 (room % dp_size)
+    body = body_for(False, text, **sglang_fields(prefill, room))
+    with ThreadPoolExecutor(2) as pool:
+        decoded = pool.submit(post, decode.url, body, False)  # the decode leg first
+        time.sleep(0.3)
+        prefilled = pool.submit(post, prefill.url, body, False)
+        p, d = prefilled.result(), decoded.result()
+    assert p.status_code == 200 and d.status_code == 200, (p.text, d.text)
+    assert p.headers["x-data-parallel-rank"] == "1"
+    assert p.json()["usage"]["completion_tokens"] == 1  # the prefill leg only prefills
+    single = post(prefill.url, body_for(False, text), False).json()
+    assert text_of(d.json(), False) == text_of(single, False)
+    assert d.json()["usage"]["completion_tokens"] == 8
+    assert wait_for(lambda: held_and_used(prefill.url) == (0, 0), timeout=10)
+
+
+def test_a_sglang_decode_leg_whose_prefill_never_comes_fails_without_hanging(pd):
+    prefill, decode = pd
+    started = time.monotonic()
+    body = body_for(False, prompt_text(8080), **sglang_fields(prefill, 777))
+    r = post(decode.url, body, False)
+    assert r.status_code == 400 and "no KV is held" in r.json()["error"]["message"], r.text
+    assert time.monotonic() - started < 15  # the wait is --kv-transfer-timeout-secs (3 s here)
+    assert wait_for(lambda: held_and_used(decode.url)[1] == 0, timeout=10)
+    gone = {**body, "bootstrap_port": free_port()}
+    r = post(decode.url, gone, False)
+    assert r.status_code == 502 and "bootstrap" in r.json()["error"]["message"], r.text
+
+
+@pytest.fixture(scope="module")
+def sglang_router(pd, tmp_path_factory):
+    """sglang-router (PyPI, requirements.txt) in its prefill/decode mode in front of ours."""
+    exe = shutil.which("sglang-router", path=str(Path(sys.executable).parent))
+    assert exe, "sglang-router is a test dependency (requirements.txt)"
+    prefill, decode = pd
+    bootstrap = str(sglang_fields(prefill, 0)["bootstrap_port"])
+    port = free_port()
+    cmd = [exe, "launch", "--host", "127.0.0.1", "--port", str(port), "--pd-disaggregation",
+           "--prefill", prefill.url, bootstrap, "--decode", decode.url, "--policy", "round_robin",
+           "--log-level", "warn", "--prometheus-port", str(free_port())]  # fmt: skip
+    log = tmp_path_factory.mktemp("sglang-router") / "router.log"
+    with start(cmd, f"http://127.0.0.1:{port}", log, timeout=60) as router:
+        yield router
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_sglang_router_drives_our_prefill_and_decode_workers_unchanged(
+    pd, sglang_router, chat, stream
+):
+    prefill, decode = pd
+    pulled = lambda: sum(metrics(decode.url).get(("kv_transfer_blocks_pulled", r), 0)  # noqa: E731
+                         for r in range(DP))  # fmt: skip
+    before = pulled()
+    text = prompt_text(900 + 2 * chat + stream)
+    r = post(sglang_router.url, body_for(chat, text, stream), chat)
+    assert r.status_code == 200, f"{r.status_code} {r.text}\n{sglang_router.log()}"
     got = streamed(r, chat)[0] if stream else text_of(r.json(), chat)
     single = post(prefill.url, body_for(chat, text), chat).json()
     assert got == text_of(single, chat) and got

@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 import socket
 import threading
+import time
 
 import pytest
 
@@ -62,11 +63,12 @@ def prefill_leg(prefill, prompt: list[int]):
     """Run the prefill leg; returns (request id, its last output) with the blocks offered."""
     engine, server = prefill
     rid = f"p{next(_ids)}"
-    engine.add_request(rid, prompt, PREFILL, hold_kv=True)
+    engine.add_request(rid, prompt, PREFILL, hold_key=rid)
     last = run(engine, rid)[-1]
     held = engine.held[rid]
     assert last.held_block_ids == held.block_ids and len(held.block_ids) == len(prompt) // BS
-    server.offer(rid, held.block_ids, held.digests)
+    assert engine.take_new_holds() == [(rid, held)]
+    server.offer(rid, held.block_ids, held.digests, held.cached_tokens)
     return rid, last
 
 
@@ -78,9 +80,10 @@ def decode_leg(decode: LLMEngine, prefill, rid: str, prompt: list[int], remote_c
     first = len(decode.block_manager.cached_prefix(seq, usable))
     wanted = list(range(first, usable))
     layout = decode.runner.kv_layout
-    data = kv_transfer.pull(
+    data, cached = kv_transfer.pull(
         "127.0.0.1", server.port, rid, wanted, [seq.digest(i) for i in wanted], layout
     )
+    assert cached == remote_cached
     served = server.done.get(timeout=5)
     assert served.request_id == rid and served.blocks == len(wanted)
     assert engine.release_held(rid)
@@ -188,3 +191,35 @@ def test_a_hold_never_pulled_is_released_at_its_deadline(prefill):
     assert engine.expire_held(1.0, server.take) == [rid]
     assert engine.block_manager.usage().used == 0
     engine.block_manager.check_integrity([])
+
+
+def test_a_pull_waits_for_a_prefill_still_running_and_a_failed_one_ends_it_at_once(prefill):
+    """SGLang's protocol sends both legs at once: the pull may come first."""
+    engine, server = prefill
+    prompt = rand(random.Random(8), BS * 3 + 2)
+    seq = Sequence(prompt, GREEDY, block_size=BS)
+    layout = engine.runner.kv_layout
+    got = {}
+
+    def decode_side():
+        got["pulled"] = kv_transfer.pull(
+            "127.0.0.1", server.port, "room-1", [0, 1, 2],
+            [seq.digest(i) for i in range(3)], layout, wait_s=10,
+        )  # fmt: skip
+
+    waiter = threading.Thread(target=decode_side)
+    waiter.start()
+    engine.add_request("late", prompt, PREFILL, hold_key="room-1")
+    run(engine, "late")
+    for key, held in engine.take_new_holds():
+        server.offer(key, held.block_ids, held.digests, held.cached_tokens)
+    waiter.join(10)
+    assert len(got["pulled"][0]) == 3 * engine.runner.bytes_per_block
+    assert server.done.get(timeout=5).request_id == "room-1"
+    assert engine.release_held("room-1")
+
+    started = time.monotonic()
+    threading.Timer(0.3, server.fail, ("room-2", "the prefill was aborted")).start()
+    with pytest.raises(kv_transfer.TransferError, match="aborted"):
+        kv_transfer.pull("127.0.0.1", server.port, "room-2", [0], [0], layout, wait_s=10)
+    assert time.monotonic() - started < 5
