@@ -156,6 +156,9 @@ class RankLoop:
             data, cached = kv_transfer.pull(
                 pull.host, pull.port, pull.request_id, wanted, digests, layout, pull.wait_s
             )
+            modeled = getattr(self.engine.runner, "transfer_s", None)  # a simulated engine's
+            if modeled is not None:
+                time.sleep(max(0.0, modeled(len(wanted)) - (time.monotonic() - started)))
             seconds = time.monotonic() - started
             self.pulled.put((msg, first, len(wanted), data, cached, None, seconds))
         except kv_transfer.TransferError as exc:

@@ -223,3 +223,26 @@ def test_a_pull_waits_for_a_prefill_still_running_and_a_failed_one_ends_it_at_on
     with pytest.raises(kv_transfer.TransferError, match="aborted"):
         kv_transfer.pull("127.0.0.1", server.port, "room-2", [0], [0], layout, wait_s=10)
     assert time.monotonic() - started < 5
+
+
+def test_simulated_engines_take_the_roles_and_the_transfer_takes_the_profiles_time():
+    """--simulate: no KV exists, so a pull moves none; the hits are real (the decode rank caches
+    the blocks) and the transfer's modeled time is the profile's KV bytes over its link."""
+    from engine.sim.profiles import KV_LINK_CPU_TINY, get_profile
+
+    sim = dict(simulate="cpu-tiny", simulate_speedup=1000.0, num_kv_blocks=128)
+    prefill_engine, decode = make_engine(**sim), make_engine(**sim)
+    server = kv_transfer.KVServer(
+        "127.0.0.1", 0, prefill_engine.runner.kv_layout, prefill_engine.runner.export_blocks
+    )
+    try:
+        prompt = rand(random.Random(9), BS * 4 + 3)
+        rid, last = prefill_leg((prefill_engine, server), prompt)
+        outs, pulled, hit = decode_leg(decode, (prefill_engine, server), rid, prompt, 0)
+        assert pulled == 4 and hit == 4 * BS and outs[-1].finished
+        profile = get_profile("cpu-tiny")
+        expected = profile.transfer_seconds(4 * BS)
+        assert decode.runner.transfer_s(4) == pytest.approx(expected / 1000.0)
+        assert expected == pytest.approx(4 * BS * profile.kv_bytes_per_token / KV_LINK_CPU_TINY)
+    finally:
+        server.close()
