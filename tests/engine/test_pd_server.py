@@ -311,3 +311,18 @@ def test_sglang_router_drives_our_prefill_and_decode_workers_unchanged(
     assert got == text_of(single, chat) and got
     assert wait_for(lambda: pulled() > before, timeout=5), "the decode worker pulled nothing"
     assert wait_for(lambda: held_and_used(prefill.url) == (0, 0), timeout=10)
+
+
+def test_a_prefill_worker_killed_before_the_pull_fails_the_decode_leg_with_a_502(
+    pd, tmp_path_factory
+):
+    _, decode = pd
+    with start_engine(tmp_path_factory.mktemp("doomed"), "--dp-size", "1", "--num-kv-blocks",
+                      "64", "--disaggregation-mode", "prefill",
+                      "--disaggregation-bootstrap-port", "0") as doomed:  # fmt: skip
+        params = prefill_leg(doomed, False, prompt_text(1234))
+        doomed.kill()
+    r = post(decode.url, body_for(False, prompt_text(1234), kv_transfer_params=params), False)
+    assert r.status_code == 502 and "pulling KV" in r.json()["error"]["message"], r.text
+    assert wait_for(lambda: held_and_used(decode.url)[1] == 0, timeout=10)
+    assert httpx.get(decode.url + "/health", timeout=5).status_code == 200
