@@ -77,7 +77,7 @@ class RankLoop:
     blocks to the rank's ``KVServer`` and releases them once pulled or expired, and on a decode
     rank runs each request's pull in a thread before the request joins the engine."""
 
-    PULL_THREADS = 4
+    PULL_THREADS = 64  # a pull of SGLang's protocol waits for its prefill: many wait at once
     EXPIRE_PERIOD_S = 1.0
 
     def __init__(
