@@ -160,6 +160,8 @@ def test_a_second_decode_of_the_same_prefix_pulls_only_what_it_lacks(pd):
         r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
         == params["remote_num_cached_tokens"]
     )
+    single = post(prefill.url, body_for(False, shared + " psi chi"), False).json()
+    assert text_of(r.json(), False) == text_of(single, False)
     time.sleep(0.5)  # stats every 0.25 s
     assert pulled() - before - first <= 1  # at most the block the new suffix changed
 
@@ -326,3 +328,15 @@ def test_a_prefill_worker_killed_before_the_pull_fails_the_decode_leg_with_a_502
     assert r.status_code == 502 and "pulling KV" in r.json()["error"]["message"], r.text
     assert wait_for(lambda: held_and_used(decode.url)[1] == 0, timeout=10)
     assert httpx.get(decode.url + "/health", timeout=5).status_code == 200
+
+
+def test_a_client_gone_while_its_sglang_decode_waits_leaks_nothing_on_either_side(pd):
+    prefill, decode = pd
+    body = body_for(False, prompt_text(2468), **sglang_fields(prefill, 4242))
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up while the decode leg waits
+        httpx.post(decode.url + "/v1/completions", json=body, timeout=0.5)
+    assert post(prefill.url, body, False).status_code == 200  # the prefill comes after all
+    assert wait_for(lambda: held_and_used(prefill.url) == (0, 0), timeout=10)
+    assert wait_for(lambda: held_and_used(decode.url)[1] == 0, timeout=10)
+    m = metrics(decode.url)
+    assert all(m.get(("inflight_requests", r), 0) == 0 for r in range(DP))
