@@ -194,6 +194,77 @@ class BlockManager:
         seq.block_table = []
         seq.num_computed_tokens = 0
 
+    # ----- prefill/decode disaggregation (engine/kv_transfer.py) ---------------------------------
+    def hold(self, seq: Sequence, count: int) -> list[int]:
+        """One more reference on the first ``count`` blocks of ``seq``, so they outlive it: a
+        prefill's blocks waiting for a decode rank to pull them. ``release`` gives them back."""
+        block_ids = seq.block_table[:count]
+        for block_id in block_ids:
+            self.blocks[block_id].ref_count += 1
+        return block_ids
+
+    def release(self, block_ids: list[int]) -> None:
+        """Drop one reference on each of ``block_ids`` (``hold``'s, or ``pin``'s), tail first."""
+        for block_id in reversed(block_ids):
+            block = self.blocks[block_id]
+            assert block.ref_count > 0, f"block {block_id} released twice"
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free[block_id] = None
+                self.cached_free += block.digest is not None
+
+    def pin(self, block_ids: list[int]) -> None:
+        """One more reference on blocks that may be free (cached): kept from eviction until
+        ``release``."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free[block_id]
+                self.cached_free -= block.digest is not None
+            block.ref_count += 1
+
+    def cached_prefix(self, seq: Sequence, count: int) -> list[int]:
+        """The ids of the longest run of ``seq``'s first ``count`` full blocks cached here (with
+        equal tokens), from its first block."""
+        found = []
+        for i in range(count):
+            block = self._hit(seq, i) if self.enable_prefix_caching else None
+            if block is None:
+                break
+            found.append(block.block_id)
+        return found
+
+    def can_import(self, count: int) -> bool:
+        return count <= len(self.free)
+
+    def import_blocks(self, count: int) -> list[int]:
+        """Take ``count`` blocks for KV computed elsewhere; the caller writes it, then
+        ``publish_imported``. Each is held (one reference) until then, so nothing reuses it half
+        written."""
+        if count > len(self.free):
+            raise RuntimeError(f"KV pool exhausted: need {count}, free {len(self.free)}")
+        return [self._take_free() for _ in range(count)]
+
+    def publish_imported(self, seq: Sequence, first: int, block_ids: list[int]) -> None:
+        """The imported blocks' KV is written: cache them under ``seq``'s digests (one stored
+        event, as if computed here) and drop the import's references; they stay cached, most
+        recently freed, for the request that asked for them. A digest already cached here (two
+        imports of one prefix at once) keeps its first block; the other is freed empty."""
+        run: list[int] = []
+        for offset, block_id in enumerate(block_ids):
+            i = first + offset
+            block = self.blocks[block_id]
+            if self.enable_prefix_caching and seq.digest(i) not in self.by_digest:
+                block.digest, block.token_ids = seq.digest(i), tuple(seq.block_tokens(i))
+                self.by_digest[block.digest] = block_id
+                run.append(i)
+            elif run:
+                self._emit_stored(seq, run)
+                run = []
+        if run:
+            self._emit_stored(seq, run)
+        self.release(block_ids)
+
     # ----- observation -----------------------------------------------------------------------
     def drain_events(self) -> list[BlockStored | BlockRemoved]:
         events = list(self.events)

@@ -47,6 +47,10 @@ class EngineConfig:
     seed: int = 0
     simulate: str | None = None
     simulate_speedup: float = 1.0
+    # prefill/decode disaggregation (engine/kv_transfer.py): None (both), "prefill" or "decode"
+    disaggregation_mode: str | None = None
+    kv_transfer_host: str = "127.0.0.1"  # where a prefill rank listens for pulls
+    kv_transfer_timeout_s: float = 480.0  # a held prefill not pulled by then is released
 
     DEFAULT_KV_MEMORY = 256 * 1024 * 1024
 

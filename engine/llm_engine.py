@@ -39,6 +39,8 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     num_output_tokens: int
+    # a prefill for a remote decode: the prompt's full blocks, held here until pulled
+    held_block_ids: list[int] | None = None
 
 
 @dataclass
@@ -46,6 +48,19 @@ class _Request:
     seq: Sequence
     detok: IncrementalDetokenizer
     stop_ids: set[int] = field(default_factory=set)
+    hold_key: str | None = None  # a prefill for a remote decode: hold its blocks under this
+    cached_tokens: int | None = None  # what to report as cached (a decode: the prefill side's)
+
+
+@dataclass
+class Held:
+    """A finished prefill's full prompt blocks, kept for a decode rank to pull
+    (engine/kv_transfer.py), until ``deadline`` (monotonic)."""
+
+    block_ids: list[int]
+    digests: list[int]
+    deadline: float
+    cached_tokens: int  # what the prefill found cached: the decode side reports it
 
 
 def load_model(config: EngineConfig, model_path: str):
@@ -99,15 +114,30 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.block_manager)
         self.cache_stats = CacheStats(self.log, config.stats_interval)
         self.requests: dict[str, _Request] = {}
+        self.held: dict[str, Held] = {}  # hold key -> held blocks
+        self.new_holds: list[str] = []  # hold keys since ``take_new_holds``
+        self.kv_transfer_timeout_s = 480.0  # vLLM's default wait for a decode to pull
 
     # ----- requests ------------------------------------------------------------------------
     def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        *,
+        hold_key: str | None = None,
+        cached_tokens: int | None = None,
     ) -> Sequence:
         """Queue a request. Raises ValueError (nothing queued) for an empty or too long prompt,
-        a duplicate id, or a prompt that could never fit the KV pool."""
+        a duplicate id, or a prompt that could never fit the KV pool. ``hold_key``: a prefill for
+        a remote decode, whose prompt blocks stay held under that key when it ends (``held``;
+        the key is the request id for vLLM's protocol, the bootstrap room for SGLang's);
+        ``cached_tokens``: the cached count to report instead of this rank's own (a decode
+        reports its prefill's)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running")
+        if hold_key is not None and (hold_key in self.held or self._holding(hold_key)):
+            raise ValueError(f"KV is already held under {hold_key!r}")
         ids = (
             self.tokenizer.encode(prompt, add_special_tokens=False)
             if isinstance(prompt, str)
@@ -117,7 +147,11 @@ class LLMEngine:
         seq = Sequence(ids, params, request_id=request_id, block_size=self.config.block_size)
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
         self.requests[request_id] = _Request(
-            seq, IncrementalDetokenizer(self.tokenizer, params.stop), stop_ids
+            seq,
+            IncrementalDetokenizer(self.tokenizer, params.stop),
+            stop_ids,
+            hold_key,
+            cached_tokens,
         )
         self.scheduler.add(seq)
         return seq
@@ -149,6 +183,53 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    # ----- prefill/decode disaggregation (engine/kv_transfer.py) ------------------------------
+    def _holding(self, key: str) -> bool:
+        return any(r.hold_key == key for r in self.requests.values())
+
+    def take_new_holds(self) -> list[tuple[str, Held]]:
+        """The holds made since the last call (for the transfer server to offer)."""
+        keys, self.new_holds = self.new_holds, []
+        return [(k, self.held[k]) for k in keys if k in self.held]
+
+    def release_held(self, key: str) -> bool:
+        """Give back a prefill's held blocks (pulled, or given up). False if none are held."""
+        held = self.held.pop(key, None)
+        if held is None:
+            return False
+        self.block_manager.release(held.block_ids)
+        return True
+
+    def expire_held(self, now: float, withdraw=lambda key: True) -> list[str]:
+        """Release the holds past their deadline that ``withdraw(key)`` lets go (the transfer
+        server's: not one being pulled now)."""
+        expired = [k for k, h in self.held.items() if h.deadline <= now and withdraw(k)]
+        for key in expired:
+            self.log.warning("KV held under %s was never pulled: released", key)
+            self.release_held(key)
+        return expired
+
+    def import_prefix(self, prompt_ids: list[int], first: int, data: bytes, count: int) -> int:
+        """Cache full blocks ``first .. first + count`` of ``prompt_ids`` from KV computed by
+        another engine (``data``: ``runner.export_blocks``' bytes), kept as cached blocks so the
+        request that follows hits them like any prefix. Blocks ``0 .. first`` are those found
+        cached here when the pull began; they are pinned meanwhile, and if some were evicted
+        since, the chain is cut there and the request recomputes from the gap. Returns the
+        blocks imported."""
+        seq = Sequence(prompt_ids, SamplingParams(), block_size=self.config.block_size)
+        manager = self.block_manager
+        local = manager.cached_prefix(seq, first)
+        manager.pin(local)
+        try:
+            if len(local) < first or not manager.can_import(count):
+                return 0
+            block_ids = manager.import_blocks(count)
+            self.runner.import_blocks(block_ids, data)
+            manager.publish_imported(seq, first, block_ids)
+            return count
+        finally:
+            manager.release(local)
 
     # ----- stepping ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -212,6 +293,7 @@ class LLMEngine:
                 req.detok.flush(seq.output_token_ids[:-1])
             elif not matched_stop_string:
                 req.detok.flush(seq.output_token_ids)
+            held = self._hold(seq, req.hold_key) if req.hold_key is not None else None
             self.scheduler.finish(seq, reason)
             del self.requests[seq.request_id]
         return RequestOutput(
@@ -221,9 +303,23 @@ class LLMEngine:
             reason is not None,
             reason,
             seq.num_prompt_tokens,
-            seq.num_cached_tokens,
+            seq.num_cached_tokens if req.cached_tokens is None else req.cached_tokens,
             seq.num_output_tokens,
+            held.block_ids if reason and held else None,
         )
+
+    def _hold(self, seq: Sequence, key: str) -> Held:
+        """Keep ``seq``'s full prompt blocks (all computed: its first token is sampled)."""
+        count = seq.num_prompt_tokens // self.config.block_size
+        held = Held(
+            self.block_manager.hold(seq, count),
+            [seq.digest(i) for i in range(count)],
+            time.monotonic() + self.kv_transfer_timeout_s,
+            seq.num_cached_tokens,
+        )
+        self.held[key] = held
+        self.new_holds.append(key)
+        return held
 
     # ----- convenience -----------------------------------------------------------------------
     def generate(

@@ -135,6 +135,36 @@ class ModelRunner:
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * item
 
     @property
+    def kv_layout(self) -> dict:
+        """What a block's KV is, for a transfer's handshake (engine/kv_transfer.py): both ends
+        must agree on all of it."""
+        return {
+            "layers": self.num_layers,
+            "kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "block_size": self.block_size,
+            "dtype": str(self.dtype).removeprefix("torch."),
+        }
+
+    def export_blocks(self, block_ids: list[int]) -> bytes:
+        """The K and V of every layer for ``block_ids``, in that order, as raw bytes (layout:
+        [2, layers, kv_heads, len(block_ids), block_size, head_dim] of ``kv_layout``'s dtype).
+        Called from a transfer thread: the blocks are held, so no step writes them meanwhile."""
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        data = self.kv.index_select(3, index).contiguous().cpu()
+        return data.view(torch.uint8).numpy().tobytes()
+
+    def import_blocks(self, block_ids: list[int], data: bytes) -> None:
+        """Write ``export_blocks``' bytes (from another engine with the same layout) into
+        ``block_ids``."""
+        shape = (2, self.num_layers, self.num_kv_heads, len(block_ids), self.block_size,
+                 self.head_dim)  # fmt: skip
+        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        values = raw.view(self.dtype).reshape(shape).to(self.device)
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        self.kv.index_copy_(3, index, values)
+
+    @property
     def kv_bytes(self) -> int:
         return self.kv.numel() * self.kv.element_size()
 

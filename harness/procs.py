@@ -184,9 +184,12 @@ def sglang_router_command(
     if exe is None:
         raise FileNotFoundError("sglang-router is not installed beside this Python")
     urls = [worker_urls] if isinstance(worker_urls, str) else list(worker_urls)
+    # its Prometheus exporter on a free port: the default (29000) is taken by any other
+    # sglang-router on the host, and it panics on a port in use
     return [
         exe, "launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls,
-        "--dp-aware", "--policy", policy, "--log-level", "warn", *extra,
+        "--dp-aware", "--policy", policy, "--log-level", "warn",
+        "--prometheus-port", str(free_port()), *extra,
     ]  # fmt: skip
 
 

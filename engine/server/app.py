@@ -15,6 +15,7 @@ import time
 import uuid
 
 from engine.server import openai_api as api
+from engine.server import pd
 from engine.server.frontend import EngineClient, RankFailed, RankUnavailable
 from engine.server.metrics import make_registry, render
 from serving.asgi import (
@@ -76,6 +77,7 @@ class EngineApp:
             ("GET", "/health"): self.health,
             ("GET", "/server_info"): self.server_info,
             ("GET", "/get_server_info"): self.server_info,
+            ("GET", "/kv_transfer_info"): self.kv_transfer_info,
             ("GET", "/v1/models"): self.models,
             ("GET", "/metrics"): self.metrics,
             ("GET", "/kv_events"): self.kv_events,
@@ -129,10 +131,34 @@ class EngineApp:
                 "up": s.alive,
                 "pid": s.info.pid if s.info else None,
                 "inflight_requests": s.inflight_requests,
+                **self._kv_address(s),
             }
             for s in self.client.ranks
         ]
         await send_json(send, 200, {**self.info, "ranks": ranks})
+
+    def _kv_address(self, state) -> dict:
+        port = state.info.kv_port if state.info else None
+        if port is None:
+            return {}
+        return {"kv_transfer_host": self.client.config.kv_transfer_host, "kv_transfer_port": port}
+
+    async def kv_transfer_info(self, scope, receive, send):
+        """Prefill/decode facts in one place (ATOM's path): the role, the KV layout's terms, and
+        each rank's KV listener (a prefill worker's)."""
+        config = self.client.config
+        await send_json(
+            send,
+            200,
+            {
+                "disaggregation_mode": config.disaggregation_mode or "null",
+                "engine_id": self.info["instance_id"],
+                "dp_size": self.client.dp_size,
+                "tp_size": self.info["tp_size"],
+                "block_size": config.block_size,
+                "ranks": [{"rank": s.rank, **self._kv_address(s)} for s in self.client.ranks],
+            },
+        )
 
     async def models(self, scope, receive, send):
         card = {
@@ -212,20 +238,36 @@ class EngineApp:
         # a long text prompt is tokenized in a worker thread: the loop keeps streaming meanwhile
         long = prompt_text_chars(body, chat) >= OFF_LOOP_CHARS
         req = await asyncio.to_thread(parse) if long else parse()
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        hint, transfer = await self._transfer(body, req, rid)
         try:
-            rank = self.client.choose_rank(req.rank_hint)
+            rank = self.client.choose_rank(hint)
         except RankUnavailable as exc:
             raise APIError(503, str(exc)) from exc
         if req.pretokenized:
             self.client.ranks[rank].counters.pretokenized += 1
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        outputs = self.client.generate(rid, rank, req.prompt_token_ids, req.params)
+        outputs = self.client.generate(rid, rank, req.prompt_token_ids, req.params, **transfer)
         relay = (
             self._stream(req, rid, rank, outputs, send)
             if req.stream
             else self._complete(req, rid, rank, outputs, send)
         )
         await until_disconnect(relay, receive)
+
+    async def _transfer(self, body: dict, req, rid: str) -> tuple[int | None, dict]:
+        """(the rank hint, ``generate``'s transfer keywords) of a prefill/decode leg, either
+        protocol (engine/server/pd.py); an ordinary request's own hint and none."""
+        config = self.client.config
+        mode = config.disaggregation_mode
+        room = pd.bootstrap_room(body) if mode else None
+        if room is None:
+            return req.rank_hint, pd.transfer_fields(body, mode, rid)
+        if mode == "prefill":  # SGLang's prefill leg: prefill only, held under its room
+            req.params.max_tokens = 1
+            rank = pd.sglang_prefill_rank(body, room, req.rank_hint, self.client.dp_size)
+            return rank, {"hold_key": pd.room_key(room)}
+        wait_s = min(config.kv_transfer_timeout_s, pd.DECODE_WAIT_S)
+        return req.rank_hint, await pd.sglang_decode_fields(body, room, wait_s)
 
     async def _complete(self, req, rid, rank, outputs, send):
         text, last = [], None
@@ -237,12 +279,11 @@ class EngineApp:
         except RankFailed as exc:
             raise APIError(exc.status, str(exc)) from exc
         use = api.usage(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)
-        await send_json(
-            send,
-            200,
-            api.response(req, rid, self.model, "".join(text), last.finish_reason, use),
-            rank_header(rank),
-        )
+        answer = api.response(req, rid, self.model, "".join(text), last.finish_reason, use)
+        transfer = pd.prefill_answer(self.client, self.info, rank, rid, last)
+        if transfer is not None:
+            answer[pd.PARAM] = transfer
+        await send_json(send, 200, answer, rank_header(rank))
 
     async def _stream(self, req, rid, rank, outputs, send):
         created = int(time.time())
@@ -259,17 +300,13 @@ class EngineApp:
                                 api.chunk(req, rid, self.model, created, None, None, role=True),
                             )
                     if out.new_text or out.finished:
-                        await send_event(
-                            send,
-                            api.chunk(
-                                req,
-                                rid,
-                                self.model,
-                                created,
-                                out.new_text or None,
-                                out.finish_reason,
-                            ),
+                        event = api.chunk(
+                            req, rid, self.model, created, out.new_text or None, out.finish_reason
                         )
+                        transfer = pd.prefill_answer(self.client, self.info, rank, rid, out)
+                        if transfer is not None:  # a streamed prefill: with its last event
+                            event[pd.PARAM] = transfer
+                        await send_event(send, event)
                     last = out
         except RankFailed as exc:
             if not started:

@@ -144,6 +144,33 @@ def _add_operations(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-body-bytes", type=int, default=4 * 2**20)
     parser.add_argument("--startup-timeout", type=float, default=600.0)
+    pd = parser.add_argument_group("prefill/decode disaggregation (engine/kv_transfer.py)")
+    pd.add_argument(
+        "--disaggregation-mode",
+        choices=["null", "prefill", "decode"],
+        default="null",
+        help="prefill: answer requests sent for a remote decode and hold their KV for it to "
+        "pull; decode: pull the KV a prefill worker computed, then generate (SGLang's flag)",
+    )
+    pd.add_argument(
+        "--disaggregation-bootstrap-port",
+        type=int,
+        default=8998,
+        help="a prefill worker's bootstrap listener for SGLang's protocol: decode workers ask it "
+        "where a request's KV is (0: any free port, reported on /server_info)",
+    )
+    pd.add_argument(
+        "--kv-transfer-host",
+        default=None,
+        help="the address decode workers reach this prefill worker's ranks on (default: --host, "
+        "or 127.0.0.1 when --host is a wildcard)",
+    )
+    pd.add_argument(
+        "--kv-transfer-timeout-secs",
+        type=float,
+        default=480.0,
+        help="a prefill's KV not pulled within this is released (vLLM's default wait)",
+    )
     parser.add_argument(
         "--drain-timeout-secs",
         type=float,
@@ -228,7 +255,18 @@ def engine_config(args, model_path: str):
         stats_interval=args.cache_stats_interval,
         simulate=args.simulate,
         simulate_speedup=args.simulate_speedup,
+        disaggregation_mode=(
+            None if args.disaggregation_mode == "null" else args.disaggregation_mode
+        ),
+        kv_transfer_host=kv_transfer_host(args),
+        kv_transfer_timeout_s=args.kv_transfer_timeout_secs,
     )
+
+
+def kv_transfer_host(args) -> str:
+    if args.kv_transfer_host:
+        return args.kv_transfer_host
+    return "127.0.0.1" if args.host in ("", "0.0.0.0", "::") else args.host
 
 
 def scheduler_limits(args, profile) -> dict[str, int | None]:

@@ -210,7 +210,8 @@ class EngineClient:
         for rid, error in msg.errors.items():
             queue = state.streams.get(rid)
             if queue is not None:
-                queue.put_nowait(RankFailed(error, 400))
+                message, status = error if isinstance(error, tuple) else (error, 400)
+                queue.put_nowait(RankFailed(message, status))
         for out in msg.outputs:
             queue = state.streams.get(out.request_id)
             if queue is not None:
@@ -277,10 +278,17 @@ class EngineClient:
 
     # ----- request streams -----------------------------------------------------------------------
     async def generate(
-        self, request_id: str, rank: int, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        rank: int,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        **transfer,
     ):
         """Yield RequestOutputs of one request on ``rank``. Load is held from here until the
-        generator closes, whichever way it closes (finish, error, client disconnect)."""
+        generator closes, whichever way it closes (finish, error, client disconnect).
+        ``transfer``: ``AddRequest``'s prefill/decode fields (``hold_kv``, ``pull``,
+        ``cached_tokens``)."""
         state = self.ranks[rank]
         if not state.alive:
             raise RankUnavailable(f"DP rank {rank} is not serving")
@@ -290,7 +298,7 @@ class EngineClient:
         state.inflight_tokens += len(prompt_token_ids)
         finished = False
         try:
-            state.inbox.send(AddRequest(request_id, prompt_token_ids, params))
+            state.inbox.send(AddRequest(request_id, prompt_token_ids, params, **transfer))
             while not finished:
                 item = await queue.get()
                 if isinstance(item, Exception):

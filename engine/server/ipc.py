@@ -13,10 +13,25 @@ from engine.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
+class PullKV:
+    """Where a decode rank fetches a prompt's blocks (engine/kv_transfer.py): the prefill rank's
+    listener, the request id its blocks are held under, and how many full blocks it holds."""
+
+    host: str
+    port: int
+    request_id: str  # the key the blocks are held under (SGLang's protocol: the room's)
+    num_blocks: int | None  # None: not said (SGLang's protocol); the prompt's full blocks
+    wait_s: float = 0.0  # how long the prefill may still take (SGLang's: legs run at once)
+
+
+@dataclass(frozen=True)
 class AddRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    hold_key: str | None = None  # a prefill for a remote decode: hold its blocks under this
+    pull: PullKV | None = None  # a decode of a remote prefill: pull its blocks first
+    cached_tokens: int | None = None  # what to report as cached (a decode: its prefill's)
 
 
 @dataclass(frozen=True)
@@ -35,6 +50,7 @@ class RankReady:
     num_kv_blocks: int
     max_model_len: int
     pid: int
+    kv_port: int | None = None  # a prefill rank's KV listener (engine/kv_transfer.py)
 
 
 @dataclass(frozen=True)
@@ -51,6 +67,13 @@ class RankStats:
     prefix_cache_requests: int
     prefix_cache_prompt_tokens: int
     prefix_cache_cached_tokens: int
+    # prefill/decode disaggregation (engine/kv_transfer.py)
+    kv_held_requests: int = 0  # prefills whose blocks wait for a decode rank to pull them
+    kv_blocks_sent: int = 0
+    kv_bytes_sent: int = 0
+    kv_blocks_pulled: int = 0
+    kv_bytes_pulled: int = 0
+    kv_pull_seconds: float = 0.0  # the decode side's time pulling, summed
 
 
 @dataclass(frozen=True)
@@ -59,7 +82,8 @@ class Outputs:
 
     rank: int
     outputs: list[RequestOutput]
-    errors: dict[str, str]  # request_id -> message (e.g. a request it could not accept)
+    # request_id -> message (a request it could not accept: 400) or (message, HTTP status)
+    errors: dict[str, str | tuple[str, int]]
     stats: RankStats | None = None
     # the block manager's KV events since the last message, in order:
     # ("stored" | "removed", digests)

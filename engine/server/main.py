@@ -110,6 +110,8 @@ def server_info(args, client, model_path: str, dp_size: int, tp_size: int, token
         "kv_events": "/kv_events",  # the prefix caches as they change (SSE), for precise routing
         # new at every start: a router that sees it change knows the prefix caches are empty
         "instance_id": uuid.uuid4().hex,
+        # prefill/decode disaggregation (engine/kv_transfer.py): null, prefill or decode
+        "disaggregation_mode": args.disaggregation_mode,
     }
     if args.simulate:
         info["simulate"] = {
@@ -196,6 +198,13 @@ def serve(args) -> int:
         client.shutdown()
         return 1
     info = server_info(args, client, model_path, dp_size, tp_size, tokenizer)
+    if args.disaggregation_mode == "prefill":
+        from engine.server.pd import BootstrapServer
+
+        bootstrap = BootstrapServer(args.host, args.disaggregation_bootstrap_port, client)
+        info["disaggregation_bootstrap_port"] = bootstrap.port
+        # SGLang's name: a router knows the prefill rank is the room's (engine/server/pd.py)
+        info["load_balance_method"] = "follow_bootstrap_room"
     app = EngineApp(client, tokenizer, info, max_body_bytes=args.max_body_bytes)
     url = f"http://{args.host}:{args.port}"
     if args.register_with:

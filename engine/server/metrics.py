@@ -99,6 +99,43 @@ _FAMILIES = [
         lambda s: s.inflight_tokens,
     ),
     ("rank_up", "1 while the rank process serves", "gauge", lambda s: int(s.alive)),
+    # prefill/decode disaggregation (engine/kv_transfer.py)
+    (
+        "kv_transfer_held_requests",
+        "Prefills whose KV blocks are held for a decode rank to pull",
+        "gauge",
+        lambda s: s.stats.kv_held_requests if s.stats else 0,
+    ),
+    (
+        "kv_transfer_blocks_sent",
+        "KV blocks this prefill rank sent to decode ranks",
+        "counter",
+        lambda s: s.stats.kv_blocks_sent if s.stats else 0,
+    ),
+    (
+        "kv_transfer_bytes_sent",
+        "Bytes of KV this prefill rank sent",
+        "counter",
+        lambda s: s.stats.kv_bytes_sent if s.stats else 0,
+    ),
+    (
+        "kv_transfer_blocks_pulled",
+        "KV blocks this decode rank pulled from prefill ranks",
+        "counter",
+        lambda s: s.stats.kv_blocks_pulled if s.stats else 0,
+    ),
+    (
+        "kv_transfer_bytes_pulled",
+        "Bytes of KV this decode rank pulled",
+        "counter",
+        lambda s: s.stats.kv_bytes_pulled if s.stats else 0,
+    ),
+    (
+        "kv_transfer_pull_seconds",
+        "Time this decode rank spent pulling KV, summed over pulls",
+        "counter",
+        lambda s: s.stats.kv_pull_seconds if s.stats else 0,
+    ),
     (
         "pretokenized_requests",
         "Requests whose prompt came with its token ids (a router's): the front did not encode it",

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from engine.sim.step_time import StepCost
 
 GiB = 2**30
+KV_LINK_CPU_TINY = 150e6  # bytes/s: measured, python -m bench.runs.pd_transfer (docs/benchmarks.md)
 GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default
 NON_KV_RESERVE_BYTES = 2 * GiB
 MFU = 0.6
@@ -103,6 +104,17 @@ class Profile:
     # a running chunked prefill takes the whole budget) is vLLM's default and SGLang's behaviour,
     # so the GPU profiles model that; None is our own engine's (half the budget)
     long_prefill_token_threshold: int | None = None
+    # prefill/decode disaggregation: what a KV pull between two ranks moves per second
+    # (engine/kv_transfer.py; the simulated transfer takes KV bytes / this)
+    kv_link_bytes_per_s: float = 50e9
+    kv_link_source: str = (
+        "one 400 Gb/s RDMA NIC per GPU (NVIDIA ConnectX-7 datasheet: up to 400 Gb/s), as "
+        "NIXL and Mooncake use on DGX/HGX H100 nodes"
+    )
+
+    def transfer_seconds(self, tokens: int) -> float:
+        """The modeled time to pull ``tokens`` tokens of KV from another rank."""
+        return tokens * self.kv_bytes_per_token / self.kv_link_bytes_per_s
 
     def num_kv_blocks(self, block_size: int, kv_cache_memory: int | None = None) -> int:
         """KV blocks of one rank: the profile's capacity, or ``kv_cache_memory`` bytes of it."""
@@ -119,7 +131,8 @@ class Profile:
             "step_time": self.cost.as_dict(),
             "kv_tokens_per_rank": self.kv_tokens,
             "kv_bytes_per_token": self.kv_bytes_per_token,
-            "sources": list(self.sources),
+            "kv_link_bytes_per_s": self.kv_link_bytes_per_s,
+            "sources": [*self.sources, self.kv_link_source],
         }
 
 
@@ -240,6 +253,8 @@ CPU_TINY = Profile(
     max_num_seqs=64,
     max_num_batched_tokens=512,
     sources=("python -m engine.sim.fit (2 vCPU, 2026-12-01)",),
+    kv_link_bytes_per_s=KV_LINK_CPU_TINY,
+    kv_link_source="our engine's own KV pull over loopback TCP (python -m bench.runs.pd_transfer)",
 )
 
 PROFILES: dict[str, Profile] = {

@@ -97,6 +97,7 @@ class SimulatedRunner:
     ):
         self.profile = profile
         self.speedup = config.simulate_speedup
+        self.block_size = config.block_size
         self.num_kv_blocks = config.num_kv_blocks or profile.num_kv_blocks(
             config.block_size, config.kv_cache_memory
         )
@@ -106,6 +107,22 @@ class SimulatedRunner:
         self.lateness = Lateness()
         self.step_s = 0.0  # modeled time of the step in progress
         self.modeled_s = 0.0  # all steps so far
+
+    # prefill/decode disaggregation (engine/kv_transfer.py): no KV exists here, so a pull moves
+    # none; the decode rank waits out the modeled transfer time instead (``transfer_s``)
+    @property
+    def kv_layout(self) -> dict:
+        return {"simulate": self.profile.name, "block_size": self.block_size}
+
+    def export_blocks(self, block_ids: list[int]) -> bytes:
+        return b""
+
+    def import_blocks(self, block_ids: list[int], data: bytes) -> None:
+        pass
+
+    def transfer_s(self, num_blocks: int) -> float:
+        """The modeled wall time of pulling ``num_blocks`` blocks, at this run's speedup."""
+        return self.profile.transfer_seconds(num_blocks * self.block_size) / self.speedup
 
     def run(self, batch) -> list[int]:
         self.step_s = self.profile.cost.seconds(shape_of(batch))
