@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from engine.sim.step_time import StepCost
 
 GiB = 2**30
-KV_LINK_CPU_TINY = 150e6  # bytes/s: measured, python -m bench.runs.pd_transfer (docs/benchmarks.md)
+KV_LINK_CPU_TINY = 450e6  # bytes/s: measured, python -m bench.runs.pd_transfer (docs/benchmarks.md)
 GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default
 NON_KV_RESERVE_BYTES = 2 * GiB
 MFU = 0.6
