@@ -27,7 +27,8 @@ class DiscoveryError(Exception):
     pass
 
 
-OVERRIDABLE = ("dp_size", "block_size", "tokenizer_path", "kv_events")
+OVERRIDABLE = ("dp_size", "block_size", "tokenizer_path", "kv_events", "role", "bootstrap_port")
+ROLES = ("prefill", "decode")  # prefill/decode disaggregation (apps/routing/proxy/pd.py)
 
 
 async def fetch_server_info(url: str, api_key: str = "", timeout_s: float = 10.0) -> dict:

@@ -15,6 +15,7 @@ from django.utils import timezone
 
 from apps.replicas.discovery import (
     OVERRIDABLE,
+    ROLES,
     DiscoveryError,
     dp_size_of,
     effective_info,
@@ -158,6 +159,13 @@ def validate_overrides(overrides: dict) -> dict:
             raise ValueError(f"'{name}' must be a positive integer, got {value!r}")
     if not isinstance(out.get("tokenizer_path", ""), str):
         raise ValueError("'tokenizer_path' must be a string (a directory on the router's host)")
+    if out.get("role") not in (None, *ROLES):
+        raise ValueError(f"'role' must be one of {list(ROLES)}, got {out.get('role')!r}")
+    port = out.get("bootstrap_port")
+    if port is not None and (
+        not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536
+    ):
+        raise ValueError(f"'bootstrap_port' must be a port number, got {port!r}")
     kv_events = out.get("kv_events")
     if kv_events is not None and not (
         isinstance(kv_events, str)

@@ -43,8 +43,61 @@ def add_router_arguments(
         help="router processes accepting on the port (N > 1 needs REDIS_URL: docs/operations.md)",
     )
     add_routing_arguments(parser)
+    add_pd_arguments(parser)
     add_admission_arguments(parser)
     add_access_key_arguments(parser)
+
+
+def add_pd_arguments(parser: argparse.ArgumentParser) -> None:
+    """Prefill/decode disaggregation (apps/routing/proxy/pd.py): smg's flags, vllm-router's
+    ``--vllm-pd-disaggregation`` beside them."""
+    group = parser.add_argument_group("prefill/decode disaggregation")
+    group.add_argument(
+        "--pd-disaggregation",
+        action="store_true",
+        help="route each request's prefill to a prefill worker and its decode to a decode worker",
+    )
+    group.add_argument(
+        "--vllm-pd-disaggregation",
+        action="store_true",
+        help="vllm-router's flag: --pd-disaggregation with vLLM's kv_transfer_params protocol",
+    )
+    group.add_argument(
+        "--prefill",
+        nargs="+",
+        action="append",
+        default=[],
+        metavar=("URL", "BOOTSTRAP_PORT"),
+        help="a prefill worker, and its bootstrap port for SGLang's protocol (repeatable)",
+    )
+    group.add_argument(
+        "--decode", action="append", default=[], metavar="URL", help="a decode worker (repeatable)"
+    )
+    group.add_argument("--prefill-policy", default=None, choices=POLICY_NAMES)
+    group.add_argument("--decode-policy", default=None, choices=POLICY_NAMES)
+    group.add_argument(
+        "--pd-protocol",
+        choices=["auto", "vllm", "sglang"],
+        default=None,
+        help="the handshake between the legs (auto: SGLang's bootstrap for SGLang workers, "
+        "vLLM's kv_transfer_params for vLLM, ATOM and ours)",
+    )
+
+
+def pd_workers(opts: dict) -> list[tuple[str, dict]]:
+    """(url, registration overrides) of every ``--prefill`` / ``--decode`` worker."""
+    out = []
+    for given in opts.get("prefill") or []:
+        url, *rest = given
+        overrides = {"role": "prefill"}
+        if rest and rest[0].lower() != "none":
+            try:
+                overrides["bootstrap_port"] = int(rest[0])
+            except ValueError:
+                raise ImproperlyConfigured(f"--prefill {url} {rest[0]}: not a port") from None
+        out.append((url, overrides))
+    out += [(url, {"role": "decode"}) for url in opts.get("decode") or []]
+    return out
 
 
 def add_worker_override_arguments(parser: argparse.ArgumentParser) -> None:
@@ -234,8 +287,14 @@ def config_from_settings(**overrides) -> RouterConfig:
 def config_from_options(opts: dict) -> RouterConfig:
     """From ``runrouter``'s options (``add_router_arguments``)."""
     time_check = opts.get("time_check")
+    pd = bool(opts.get("pd_disaggregation") or opts.get("vllm_pd_disaggregation"))
+    protocol = opts.get("pd_protocol") or ("vllm" if opts.get("vllm_pd_disaggregation") else None)
     return config_from_settings(
         dp_aware=bool(opts.get("dp_aware")),
         time_check=None if time_check is None else time_check == "on",
+        pd=pd or None,
+        pd_protocol=protocol,
+        prefill_policy=opts.get("prefill_policy"),
+        decode_policy=opts.get("decode_policy"),
         **{field: opts.get(option) for option, field in OPTION_FIELDS.items()},
     )

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
 
 from apps.replicas.services import worker_add
 from apps.routing import jobs, worker_metrics
@@ -29,7 +30,7 @@ from apps.routing.feeds.health import health_loop, probe_all
 from apps.routing.feeds.kv_events import KVEventsFeed
 from apps.routing.feeds.persist import stats_loop
 from apps.routing.feeds.shared_index import IndexSync
-from apps.routing.flags import DEFAULT_ROUTER_PORT, SERVERS, config_from_options
+from apps.routing.flags import DEFAULT_ROUTER_PORT, SERVERS, config_from_options, pd_workers
 from apps.routing.live import LiveFleet
 from apps.routing.proxy.admission import make_admission
 from apps.routing.proxy.drain import Drain
@@ -78,6 +79,7 @@ class RouterProcess:
         jobs_here: bool | None = None,
         jobs_where: str = "on the Celery worker (REDIS_URL)",
         restore_stats: bool = True,
+        role_workers: list[tuple[str, dict]] = (),
     ):
         self.router, self.worker_urls, self.policy_flag = router, worker_urls, policy_flag
         # the periodic jobs: here without a broker (or, of ``--workers N``, in the first worker)
@@ -85,6 +87,7 @@ class RouterProcess:
         self.jobs_where = jobs_where  # where they run when not here, for the log
         self.restore_stats = restore_stats  # counters start from the rows (feeds/persist.py)
         self.overrides = overrides or None  # for each of worker_urls
+        self.role_workers = list(role_workers)  # --prefill / --decode: (url, their overrides)
         router.fleet.loading = True  # from before the socket listens until start() is done
         self.fleet_sync = FleetSync(router)
         self.admission = make_admission(router)
@@ -101,6 +104,9 @@ class RouterProcess:
             restored = await self.fleet_sync.sync()
             for url in self.worker_urls:
                 await worker_add(url=url, strict=False, overrides=self.overrides, runtime=self.live)
+            for url, role in self.role_workers:
+                overrides = {**(self.overrides or {}), **role}
+                await worker_add(url=url, strict=False, overrides=overrides, runtime=self.live)
             await probe_all(router)  # restored workers may be long gone: none serves unprobed
             await policy_adopt(router=router, flag=self.policy_flag)
         except Exception:  # /health stays 503: this process has no fleet to serve
@@ -197,6 +203,9 @@ def _serve_one(
     from controlplane.asgi import build_application
 
     router = Router(config_from_options(opts))
+    role_workers = pd_workers(opts)
+    if role_workers and not router.config.pd:
+        raise ImproperlyConfigured("--prefill and --decode need --pd-disaggregation")
     overrides = {
         name: opts.get(f"worker_{name}")
         for name in ("dp_size", "block_size", "tokenizer_path", "kv_events")
@@ -209,6 +218,7 @@ def _serve_one(
         overrides,
         jobs_here,
         restore_stats=restore_stats,
+        role_workers=role_workers,
         **where,
     )
     loop.call_soon(lambda: asyncio.ensure_future(process.start()))

@@ -35,3 +35,12 @@ class RouterConfig:
     saturation_queued_prefill_tokens: int = 0
     saturation_kv_usage: float = 0.0
     drain_timeout_s: float = 25.0  # on SIGTERM/SIGINT (apps/routing/proxy/drain.py)
+    # prefill/decode disaggregation (apps/routing/proxy/pd.py): each request's prefill leg goes to
+    # a prefill worker's rank (``prefill_policy``, else ``policy``), its decode leg to a decode
+    # worker's (``decode_policy``, else ``policy``); ``pd_protocol``: "auto" (by the prefill
+    # worker's flavour: SGLang's bootstrap for SGLang, vLLM's kv_transfer_params for the rest),
+    # "vllm" or "sglang"
+    pd: bool = False
+    pd_protocol: str = "auto"
+    prefill_policy: str | None = None
+    decode_policy: str | None = None

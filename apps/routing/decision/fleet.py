@@ -44,6 +44,10 @@ class WorkerView:
     # the engine's KV events path, when its digests are the router's own
     kv_events: str | None = None
     flavour: str = "dpmesh"  # dpmesh, atom, sglang, vllm, openai (apps/replicas/discovery.py)
+    # prefill/decode disaggregation: "prefill", "decode" or None (both in one), from its
+    # /server_info or its registration; a prefill worker's bootstrap port (SGLang's protocol)
+    role: str | None = None
+    bootstrap_port: int | None = None
     # vLLM: one ZMQ endpoint per rank for its KV events (apps/routing/feeds/vllm_events.py)
     zmq_kv_events: tuple[str, ...] = ()
     # and its replay sockets, one per rank (None: that rank has none), when it has them
@@ -128,9 +132,12 @@ class Fleet:
     def all_targets(self) -> list[Target]:
         return [t for targets in self.targets.values() for t in targets]
 
-    def candidates(self, model: str | None) -> list[Target]:
-        """Available targets serving ``model`` (any model when None or when only one is served)."""
+    def candidates(self, model: str | None, role: str | None = None) -> list[Target]:
+        """Available targets serving ``model`` (any model when None or when only one is served);
+        with ``role``, only those of workers in that prefill/decode role."""
         targets = [t for t in self.all_targets() if t.available]
+        if role is not None:
+            targets = [t for t in targets if t.worker.role == role]
         if not model:
             return targets
         return [t for t in targets if model in t.worker.model_aliases]

@@ -51,6 +51,15 @@ class Router:
         self.timing = Timing()  # what a first token costs in time, per worker, as observed
         self.clock = time.perf_counter  # what a dispatch times itself with (the lab: virtual)
         self.policy: Policy = self._make_policy(self.config.policy)
+        # prefill/decode disaggregation: each leg's own policy, when one is set for it
+        self.role_policies: dict[str, Policy] = {
+            role: self._make_policy(name)
+            for role, name in (
+                ("prefill", self.config.prefill_policy),
+                ("decode", self.config.decode_policy),
+            )
+            if name
+        }
         # told of every decision and prefill end (apps/routing/feeds/shared_index.py, kv_events.py)
         self.observers: list[DispatchObserver] = []
 
@@ -79,25 +88,29 @@ class Router:
         rank: int | None = None,
         session: str | None = None,
         ids_by_path: dict[str, list[int] | None] | None = None,
+        role: str | None = None,
     ) -> Dispatch:
         """Choose a target and commit: begin its load, insert the request's blocks into the index
         for it (the engine caches them as it prefills), tell the observers. The returned dispatch
         owns the request's end. ``rank``: only that DP rank of a worker (the client's pin);
         ``session``: the client's session id (apps/routing/decision/sessions.py), kept on its rank;
         ``ids_by_path``: the prompt's token ids per tokenizer path, when already computed
-        (``tokenizer_paths`` and request_shape.tokenize_off_loop)."""
+        (``tokenizer_paths`` and request_shape.tokenize_off_loop); ``role``: one leg of a
+        prefill/decode-disaggregated request, among the workers of that role, by its policy."""
 
         def allowed(t: Target) -> bool:
             return t.key not in exclude and (rank is None or t.rank == rank)
 
-        candidates = [t for t in self.fleet.candidates(model) if allowed(t)]
+        candidates = [t for t in self.fleet.candidates(model, role) if allowed(t)]
         if not candidates and model and len(self.fleet.models()) == 1:
-            candidates = [t for t in self.fleet.candidates(None) if allowed(t)]
+            candidates = [t for t in self.fleet.candidates(None, role) if allowed(t)]
         if not candidates:
             self.stats.no_target += 1
+            which = f"{role} worker" if role else "worker"
             raise NoTarget(
-                f"no available worker serves model {model!r}" if model else "no available worker"
+                f"no available {which} serves model {model!r}" if model else f"no available {which}"
             )
+        policy = self.role_policies.get(role, self.policy) if role else self.policy
         shapes, matched, shared = self._match(body, chat, candidates, ids_by_path)
         primary = shapes[candidates[0].key]
         # how hot the shared prefix is (counting this request): the policy copies only a hot one
@@ -113,8 +126,8 @@ class Router:
                 if self.index.room(k) >= len(primary.digests)
             )
         home = self.sessions.home(session, candidates) if session else None
-        target = home or self.policy.choose(candidates, primary, matched, shared)
-        if home is None and self.config.time_check and self.policy.name == "cache_aware":
+        target = home or policy.choose(candidates, primary, matched, shared)
+        if home is None and self.config.time_check and policy.name == "cache_aware":
             target = self._quicker(target, candidates, shapes, matched, primary)
         if session:
             self.sessions.record(session, target.key, kept=home is not None)

@@ -110,6 +110,14 @@ async def proxy_request(
         error = APIError(400, message, param="messages" if chat else "prompt")
         await send_body(send, 400, json.dumps(error.body()).encode())
         return
+    if router.config.pd:  # prefill and decode on workers of their roles (proxy/pd.py)
+        from apps.routing.proxy import pd
+
+        await pd.serve(
+            router, body, chat=chat, path=path, send=send, model=model,
+            ids_by_path=ids_by_path, rank=rank, session=session, since=since,
+        )  # fmt: skip
+        return
     for attempt in range(router.config.max_retries + 1):
         try:
             dispatch = router.route(
@@ -152,6 +160,7 @@ async def _attempt(
     last_try: bool,
     ids: list[int] | None = None,
     since: float,
+    extra: list | None = None,
 ) -> ProxyError | None:
     """Send the request to the dispatch's target and relay the answer to the client. Returns
     the error to retry on another target when nothing reached the client, else None. ``ids``:
@@ -198,7 +207,7 @@ async def _attempt(
                 raw = b""
             message = f"upstream {target.key} answered {response.status}"
             return ProxyError(response.status, message, "server_error", raw=raw or None)
-        headers = wire.route_headers(dispatch, response, overhead_s)
+        headers = wire.route_headers(dispatch, response, overhead_s) + (extra or [])
         router.stats.overhead.observe(overhead_s)
         content_type = response.headers.get("content-type", "application/json")
         if response.status == 200 and stream and content_type.startswith("text/event-stream"):

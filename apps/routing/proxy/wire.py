@@ -86,6 +86,71 @@ def route_headers(dispatch: Dispatch, response, overhead_s: float | None = None)
     return headers
 
 
+# ----- prefill/decode disaggregation (apps/routing/proxy/pd.py) -------------------------------
+KV_TRANSFER_PARAMS = "kv_transfer_params"
+# what vllm-router (and vLLM's own example proxy) send a prefill worker
+VLLM_PREFILL_PARAMS = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+SGLANG_DEFAULT_BOOTSTRAP_PORT = 8998
+
+
+def pd_protocol(configured: str, flavour: str) -> str:
+    """The handshake between a request's legs: the configured one, else by the prefill worker's
+    flavour (SGLang's bootstrap for SGLang; vLLM's kv_transfer_params for vLLM, ATOM, ours)."""
+    if configured in ("vllm", "sglang"):
+        return configured
+    return "sglang" if flavour == "sglang" else "vllm"
+
+
+def vllm_prefill_body(body: dict) -> dict:
+    """The prefill leg of vLLM's protocol: one token, not streamed, asking to hold the KV."""
+    out = {k: v for k, v in body.items() if k not in ("stream_options", "max_completion_tokens")}
+    out.update(max_tokens=1, stream=False, **{KV_TRANSFER_PARAMS: dict(VLLM_PREFILL_PARAMS)})
+    return out
+
+
+def kv_transfer_params_of(answer: dict) -> dict | None:
+    params = answer.get(KV_TRANSFER_PARAMS)
+    return params if isinstance(params, dict) else None
+
+
+def sglang_bootstrap(host: str, port: int | None, room: int) -> dict:
+    return {
+        "bootstrap_host": host,
+        "bootstrap_port": port or SGLANG_DEFAULT_BOOTSTRAP_PORT,
+        "bootstrap_room": room,
+    }
+
+
+def sglang_prefill_body(body: dict, bootstrap: dict) -> dict:
+    """The prefill leg of SGLang's protocol: the request with the bootstrap fields, not streamed
+    (its answer only tells whether the prefill went well)."""
+    out = {k: v for k, v in body.items() if k != "stream_options"}
+    out.update(stream=False, **bootstrap)
+    return out
+
+
+def sglang_decode_body(body: dict, bootstrap: dict, prefill_rank: int | None) -> dict:
+    out = {**body, **bootstrap}
+    if prefill_rank is not None:
+        out["disagg_prefill_dp_rank"] = prefill_rank
+    return out
+
+
+def json_object(content: bytes) -> dict | None:
+    try:
+        value = msgspec.json.decode(content)
+    except msgspec.DecodeError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
 def wants_usage(body: dict) -> bool:
     options = body.get("stream_options")
     return isinstance(options, dict) and options.get("include_usage") is True

@@ -1,0 +1,195 @@
+"""One prefill/decode-disaggregated request (``runrouter --pd-disaggregation``): its prefill leg
+on a prefill worker's rank, its decode leg on a decode worker's, and the handshake between them.
+
+The two legs are routed like any request, each among the workers of its role
+(``Router.route(role=...)``, ``--prefill-policy`` / ``--decode-policy``): cache-aware on the
+prefill side puts the prompt where its prefix is computed already; on the decode side the same
+cost counts the blocks the decode rank lacks, which it must pull, and its load. A client's
+session keeps both legs where they were (one session entry per role). Then, by protocol
+(``wire.pd_protocol``):
+
+- vLLM's two steps (vLLM, ATOM, ours): the prefill leg with ``max_tokens: 1`` and
+  ``kv_transfer_params.do_remote_decode``, not streamed; its answer's ``kv_transfer_params``
+  go with the decode leg, whose answer is the client's (relayed as any answer:
+  upstream._attempt).
+- SGLang's one step: both legs at once with ``bootstrap_host`` / ``bootstrap_port`` /
+  ``bootstrap_room``, the room chosen so that ``room % dp_size`` is the chosen prefill rank (which
+  the prefill leg also names as its rank), ``disagg_prefill_dp_rank`` telling the decode side.
+
+Failure: a prefill leg that fails ends the request with its error (two steps: the decode leg is
+never sent; one step: the decode leg is cancelled, which closes its connection, so the engine
+aborts it). A client that leaves cancels both. Each leg's dispatch is ended exactly once, by the
+code that sent it. Not here yet: retrying a leg on another worker (the request fails instead).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from urllib.parse import urlsplit
+
+from apps.routing.decision.router import NoTarget, Router
+from apps.routing.proxy import upstream, wire
+from controlplane import http1
+from serving.asgi import send_body
+
+logger = logging.getLogger(__name__)
+
+PREFILL_HEADER = b"x-prefill-target"
+
+
+async def serve(
+    router: Router,
+    body: dict,
+    *,
+    chat: bool,
+    path: str,
+    send,
+    model: str | None,
+    ids_by_path,
+    rank: int | None,
+    session: str | None,
+    since: float,
+) -> None:
+    """Route both legs and run the handshake; the client gets the decode leg's answer, or the
+    first error."""
+    try:
+        prefill = router.route(
+            body, chat, model, session=_leg(session, "prefill"), ids_by_path=ids_by_path,
+            role="prefill",
+        )  # fmt: skip
+    except NoTarget as exc:
+        await _error(send, 503, str(exc))
+        return
+    try:
+        decode = router.route(
+            body, chat, model, rank=rank, session=_leg(session, "decode"),
+            ids_by_path=ids_by_path, role="decode",
+        )  # fmt: skip
+    except NoTarget as exc:
+        prefill.finish(ok=False)
+        await _error(send, 503, str(exc))
+        return
+    extra = [(PREFILL_HEADER, prefill.target.key.encode())]
+    ids = [None if chat else wire.ids_for(router, d.target, ids_by_path) for d in (prefill, decode)]
+    protocol = wire.pd_protocol(router.config.pd_protocol, prefill.target.worker.flavour)
+    if protocol == "sglang":
+        await _one_step(router, prefill, decode, body, path, send, extra, ids, since)
+    else:
+        await _two_step(router, prefill, decode, body, path, send, extra, ids, since)
+
+
+def _leg(session: str | None, role: str) -> str | None:
+    return None if session is None else f"{session}\x00{role}"
+
+
+async def _two_step(router, prefill, decode, body, path, send, extra, ids, since):
+    """vLLM's protocol: the prefill leg first, its ``kv_transfer_params`` to the decode leg."""
+    try:
+        answer = await _prefill_leg(router, prefill, wire.vllm_prefill_body(body), path, ids[0])
+    except BaseException:
+        decode.finish(ok=False, aborted=True)
+        raise
+    if isinstance(answer, upstream.ProxyError):
+        decode.finish(ok=False)
+        await send_body(send, answer.status, answer.body())
+        return
+    params = wire.kv_transfer_params_of(answer)
+    if params is None:
+        decode.finish(ok=False)
+        message = f"prefill worker {prefill.target.key} answered no kv_transfer_params"
+        await _error(send, 502, message)
+        return
+    decode_body = {**body, wire.KV_TRANSFER_PARAMS: params}
+    await _decode_leg(router, decode, decode_body, path, send, extra, ids[1], since)
+
+
+async def _one_step(router, prefill, decode, body, path, send, extra, ids, since):
+    """SGLang's protocol: both legs at once, joined by the bootstrap room."""
+    worker = prefill.target.worker
+    fields = wire.sglang_bootstrap(
+        urlsplit(worker.url).hostname,
+        worker.bootstrap_port,
+        _room(prefill.target.rank, worker.dp_size if prefill.target.rank is not None else 1),
+    )
+    prefill_body = wire.sglang_prefill_body(body, fields)
+    decode_body = wire.sglang_decode_body(body, fields, prefill.target.rank)
+    prefill_leg = asyncio.ensure_future(_prefill_leg(router, prefill, prefill_body, path, ids[0]))
+    decode_leg = asyncio.ensure_future(
+        _decode_leg(router, decode, decode_body, path, send, extra, ids[1], since)
+    )
+    try:
+        done, _ = await asyncio.wait({prefill_leg, decode_leg}, return_when=asyncio.FIRST_COMPLETED)
+        if prefill_leg in done and isinstance(prefill_leg.result(), upstream.ProxyError):
+            failed = prefill_leg.result()
+            if not decode_leg.done():
+                decode_leg.cancel()  # its engine waits for KV that will not come: end it now
+                await asyncio.gather(decode_leg, return_exceptions=True)
+                await send_body(send, failed.status, failed.body())
+                return
+        await decode_leg
+        await prefill_leg
+    finally:
+        for leg in (prefill_leg, decode_leg):
+            leg.cancel()
+        await asyncio.gather(prefill_leg, decode_leg, return_exceptions=True)
+
+
+def _room(rank: int | None, dp_size: int) -> int:
+    """A random room whose remainder by ``dp_size`` is ``rank`` (SGLang's rule for which prefill
+    rank serves a room)."""
+    room = random.getrandbits(62)
+    return room - room % dp_size + (rank or 0)
+
+
+async def _prefill_leg(router, dispatch, body, path, ids) -> dict | upstream.ProxyError:
+    """Send a prefill leg, not streamed; its answer (JSON), or the error to give the client. Its
+    dispatch ends here, however the leg ends."""
+    target, config = dispatch.target, router.config
+    ok, usage, response = False, None, None
+    try:
+        payload = wire.upstream_payload(body, dispatch, False, ids)
+        try:
+            response = await http1.pool().post(
+                target.worker.url + path,
+                payload,
+                wire.upstream_headers(dispatch),
+                connect_timeout_s=config.connect_timeout_s,
+                read_timeout_s=config.request_timeout_s,
+            )
+            content = await response.read()
+        except http1.UpstreamError as exc:
+            return upstream.ProxyError(
+                502, f"prefill worker {target.key} failed: {exc}", "server_error"
+            )
+        dispatch.first_token()
+        if response.status != 200:
+            message = f"prefill worker {target.key} answered {response.status}"
+            return upstream.ProxyError(response.status, message, "server_error", raw=content)
+        answer = wire.json_object(content)
+        if answer is None:
+            return upstream.ProxyError(
+                502, f"prefill worker {target.key} answered no JSON object", "server_error"
+            )
+        ok, usage = True, answer.get("usage")
+        return answer
+    finally:
+        if response is not None:
+            response.release()
+        dispatch.finish(ok=ok, usage=usage if isinstance(usage, dict) else None)
+
+
+async def _decode_leg(router, dispatch, body, path, send, extra, ids, since) -> None:
+    """Send the decode leg and relay its answer to the client (upstream._attempt: its dispatch
+    ends there); a failure before anything was relayed is the client's error."""
+    failed = await upstream._attempt(
+        router, dispatch, body, path, send, last_try=True, ids=ids, since=since, extra=extra
+    )
+    if failed is not None:
+        await send_body(send, failed.status, failed.body())
+
+
+async def _error(send, status: int, message: str) -> None:
+    error = upstream.ProxyError(status, message, "server_error")
+    await send_body(send, error.status, error.body())

@@ -1,0 +1,149 @@
+"""Prefill/decode routing (apps/routing/proxy/pd.py) over real processes: our engine in both
+roles (DP 2 each) behind ``runrouter --pd-disaggregation``, with vLLM's two-step protocol (the
+default for our engine) and SGLang's bootstrap protocol (``--pd-protocol sglang``)."""
+
+from __future__ import annotations
+
+import json
+import random
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+
+import httpx
+import pytest
+
+from harness.procs import metrics, start_engine, wait_for
+from tests.support.router_checks import start_router
+
+pytestmark = pytest.mark.slow
+
+DP = 2
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron".split()
+
+
+@pytest.fixture(scope="module")
+def pd(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pd")
+    common = ("--dp-size", str(DP), "--num-kv-blocks", "256", "--max-model-len", "1024",
+              "--disaggregation-bootstrap-port", "0")  # fmt: skip
+    with ExitStack() as stack, ThreadPoolExecutor(2) as pool:
+        jobs = [
+            pool.submit(lambda m: stack.enter_context(
+                start_engine(tmp, *common, "--disaggregation-mode", m, name=m)), mode)
+            for mode in ("prefill", "decode")
+        ]  # fmt: skip
+        prefill, decode = (job.result() for job in jobs)
+        pd_flags = ("--pd-disaggregation", "--prefill", prefill.url, "--decode", decode.url)
+        routers = {
+            protocol: stack.enter_context(
+                start_router(tmp, [], f"router-{protocol}", *pd_flags, "--pd-protocol", protocol)
+            )
+            for protocol in ("vllm", "sglang")
+        }
+        for router in routers.values():
+            assert wait_for(lambda r=router: _targets(r.url) == 2 * DP, timeout=60)
+        yield prefill, decode, routers
+
+
+def _targets(url: str) -> int:
+    return len(httpx.get(url + "/health", timeout=5).json().get("targets", []))
+
+
+def prompt_text(seed: int, words: int = 90) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+def body_for(chat: bool, text: str, stream: bool = False) -> dict:
+    body = {"model": "tiny", "max_tokens": 8, "temperature": 0, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    if chat:
+        body["messages"] = [{"role": "user", "content": text}]
+    else:
+        body["prompt"] = text
+    return body
+
+
+def post(url: str, body: dict, chat: bool) -> httpx.Response:
+    return httpx.post(url + ("/v1/chat/completions" if chat else "/v1/completions"), json=body,
+                      timeout=60)  # fmt: skip
+
+
+def answer_of(response: httpx.Response, chat: bool, stream: bool) -> tuple[str, dict]:
+    if not stream:
+        data = response.json()
+        choice = data["choices"][0]
+        return (choice["message"]["content"] if chat else choice["text"]), data["usage"]
+    text, usage = [], None
+    for event in response.text.split("\n\n"):
+        if not event or event == "data: [DONE]":
+            continue
+        data = json.loads(event.removeprefix("data: "))
+        usage = data.get("usage") or usage
+        for choice in data["choices"]:
+            delta = choice.get("delta") or {}
+            text.append((delta.get("content") or "") if chat else choice["text"])
+    return "".join(text), usage
+
+
+def prompts_per_rank(url: str) -> list[float]:
+    m = metrics(url)
+    return [m.get(("prompt_tokens", r), 0.0) for r in range(DP)]
+
+
+@pytest.mark.parametrize("protocol", ["vllm", "sglang"])
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_both_legs_through_our_router_decode_as_one_engine_does(pd, protocol, chat, stream):
+    prefill, decode, routers = pd
+    router = routers[protocol]
+    text = prompt_text(hash((protocol, chat, stream)) % 10_000)
+    before = prompts_per_rank(prefill.url)
+    r = post(router.url, body_for(chat, text, stream), chat)
+    assert r.status_code == 200, r.text
+    got, usage = answer_of(r, chat, stream)
+    single = post(prefill.url, body_for(chat, text), chat).json()  # the co-located answer
+    assert got == answer_of_single(single, chat) and got
+    # the prefill rank the router chose is the one whose metrics counted the prompt
+    chosen = int(r.headers["x-prefill-target"].rsplit("@", 1)[1])
+    counted = [a - b for a, b in zip(prompts_per_rank(prefill.url), before, strict=True)]
+    assert counted[chosen] >= usage["prompt_tokens"], (counted, chosen)
+    assert r.headers["x-routed-target"].startswith(decode.url)
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 0  # nothing was cached anywhere
+    assert wait_for(lambda: _held(prefill.url) == 0, timeout=10)
+
+
+def answer_of_single(answer: dict, chat: bool) -> str:
+    choice = answer["choices"][0]
+    return choice["message"]["content"] if chat else choice["text"]
+
+
+def _held(url: str) -> float:
+    m = metrics(url)
+    return sum(m.get(("kv_transfer_held_requests", r), 0) + m.get(("kv_blocks_used", r), 0)
+               for r in range(DP))  # fmt: skip
+
+
+@pytest.mark.parametrize("protocol", ["vllm", "sglang"])
+def test_a_shared_prefix_keeps_its_prefill_rank_and_reports_the_prefill_sides_hits(pd, protocol):
+    prefill, _, routers = pd
+    shared = prompt_text(hash(protocol) % 10_000 + 77, 120)
+    seen, cached = set(), []
+    for i in range(6):
+        r = post(routers[protocol].url, body_for(False, f"{shared} {WORDS[i]} {WORDS[-i]}"), False)
+        assert r.status_code == 200, r.text
+        seen.add(r.headers["x-prefill-target"])
+        cached.append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+    assert len(seen) == 1, seen  # cache-aware on the prefill side
+    assert cached[0] == 0 and all(c >= 7 * 16 for c in cached[1:]), cached
+
+
+def test_no_worker_of_a_role_is_a_503_not_a_hang(pd, tmp_path):
+    prefill, _, _ = pd
+    with start_router(tmp_path, [], "lonely", "--pd-disaggregation", "--prefill",
+                      prefill.url) as router:  # fmt: skip
+        assert wait_for(lambda: _targets(router.url) == DP, timeout=60)
+        r = post(router.url, body_for(False, "hello there"), False)
+        assert r.status_code == 503 and "no available decode worker" in r.text, r.text
+        assert wait_for(lambda: _held(prefill.url) == 0, timeout=10)
