@@ -147,3 +147,26 @@ def test_no_worker_of_a_role_is_a_503_not_a_hang(pd, tmp_path):
         r = post(router.url, body_for(False, "hello there"), False)
         assert r.status_code == 503 and "no available decode worker" in r.text, r.text
         assert wait_for(lambda: _held(prefill.url) == 0, timeout=10)
+
+
+def test_a_prefill_worker_killed_under_load_loses_no_request(pd, tmp_path):
+    """Two prefill workers, one SIGKILLed while requests flow: those sent to it go to the other
+    (vLLM's protocol retries a leg whose worker refuses), none hangs, nothing stays held."""
+    prefill, decode, _ = pd
+    with start_engine(tmp_path, "--dp-size", "1", "--num-kv-blocks", "64",
+                      "--disaggregation-mode", "prefill", name="doomed") as doomed:  # fmt: skip
+        flags = ("--pd-disaggregation", "--prefill", prefill.url, "--prefill", doomed.url,
+                 "--decode", decode.url, "--policy", "round_robin")  # fmt: skip
+        with start_router(tmp_path, [], "two-prefills", *flags) as router:
+            assert wait_for(lambda: _targets(router.url) == 2 * DP + 1, timeout=60)
+            for i in range(3):
+                r = post(router.url, body_for(False, prompt_text(5000 + i)), False)
+                assert r.status_code == 200, r.text
+            doomed.kill()
+            for i in range(6):
+                r = post(router.url, body_for(False, prompt_text(6000 + i)), False)
+                assert r.status_code == 200, r.text
+                assert r.headers["x-prefill-target"].startswith(prefill.url)
+            assert "another prefill worker" in router.log()  # the retry ran, not only the health
+    assert wait_for(lambda: _held(prefill.url) == 0, timeout=10)
+    assert wait_for(lambda: _held(decode.url) == 0, timeout=10)

@@ -30,6 +30,7 @@ import random
 from urllib.parse import urlsplit
 
 from apps.routing.decision.router import NoTarget, Router
+from apps.routing.feeds import health
 from apps.routing.proxy import upstream, wire
 from controlplane import http1
 from serving.asgi import send_body
@@ -37,6 +38,35 @@ from serving.asgi import send_body
 logger = logging.getLogger(__name__)
 
 PREFILL_HEADER = b"x-prefill-target"
+
+
+class Legs:
+    """Routes a request's legs: each among the workers of its role, the client's session kept
+    per role, a worker that failed a leg not tried again for it."""
+
+    def __init__(self, router: Router, body: dict, chat: bool, model, ids_by_path, rank, session):
+        self.router, self.body, self.chat, self.model = router, body, chat, model
+        self.ids_by_path, self.rank, self.session = ids_by_path, rank, session
+        self.tried: dict[str, set[str]] = {"prefill": set(), "decode": set()}
+
+    def route(self, role: str):
+        """A dispatch for ``role``'s leg (raises NoTarget) and the prompt ids to send with it."""
+        dispatch = self.router.route(
+            self.body, self.chat, self.model, exclude=self.tried[role],
+            rank=self.rank if role == "decode" else None,
+            session=None if self.session is None else f"{self.session}\x00{role}",
+            ids_by_path=self.ids_by_path, role=role,
+        )  # fmt: skip
+        self.tried[role].add(dispatch.target.key)
+        ids = None if self.chat else wire.ids_for(self.router, dispatch.target, self.ids_by_path)
+        return dispatch, ids
+
+    def can_retry(self, role: str) -> bool:
+        return len(self.tried[role]) <= self.router.config.max_retries
+
+    def available(self, role: str) -> bool:
+        return bool(self.router.fleet.candidates(self.model, role) or (
+            self.model and self.router.fleet.candidates(None, role)))  # fmt: skip
 
 
 async def serve(
@@ -54,59 +84,74 @@ async def serve(
 ) -> None:
     """Route both legs and run the handshake; the client gets the decode leg's answer, or the
     first error."""
+    legs = Legs(router, body, chat, model, ids_by_path, rank, session)
+    if not legs.available("decode"):  # before any prefill holds KV for nobody
+        await _error(send, 503, "no available decode worker")
+        return
     try:
-        prefill = router.route(
-            body, chat, model, session=_leg(session, "prefill"), ids_by_path=ids_by_path,
-            role="prefill",
-        )  # fmt: skip
+        prefill = legs.route("prefill")
     except NoTarget as exc:
         await _error(send, 503, str(exc))
         return
-    try:
-        decode = router.route(
-            body, chat, model, rank=rank, session=_leg(session, "decode"),
-            ids_by_path=ids_by_path, role="decode",
-        )  # fmt: skip
-    except NoTarget as exc:
-        prefill.finish(ok=False)
-        await _error(send, 503, str(exc))
-        return
-    extra = [(PREFILL_HEADER, prefill.target.key.encode())]
-    ids = [None if chat else wire.ids_for(router, d.target, ids_by_path) for d in (prefill, decode)]
-    protocol = wire.pd_protocol(router.config.pd_protocol, prefill.target.worker.flavour)
+    protocol = wire.pd_protocol(router.config.pd_protocol, prefill[0].target.worker.flavour)
     if protocol == "sglang":
-        await _one_step(router, prefill, decode, body, path, send, extra, ids, since)
+        try:
+            decode = legs.route("decode")
+        except NoTarget as exc:
+            prefill[0].finish(ok=False)
+            await _error(send, 503, str(exc))
+            return
+        await _one_step(router, prefill, decode, body, path, send, since)
     else:
-        await _two_step(router, prefill, decode, body, path, send, extra, ids, since)
+        await _two_step(router, legs, prefill, body, path, send, since)
 
 
-def _leg(session: str | None, role: str) -> str | None:
-    return None if session is None else f"{session}\x00{role}"
-
-
-async def _two_step(router, prefill, decode, body, path, send, extra, ids, since):
-    """vLLM's protocol: the prefill leg first, its ``kv_transfer_params`` to the decode leg."""
-    try:
-        answer = await _prefill_leg(router, prefill, wire.vllm_prefill_body(body), path, ids[0])
-    except BaseException:
-        decode.finish(ok=False, aborted=True)
-        raise
+async def _two_step(router, legs: Legs, prefill, body, path, send, since):
+    """vLLM's protocol: the prefill leg first, its ``kv_transfer_params`` to the decode leg. A
+    leg whose worker could not be reached goes to another worker of its role (the held KV waits
+    for whichever decode worker pulls it)."""
+    while True:
+        dispatch, ids = prefill
+        answer = await _prefill_leg(router, dispatch, wire.vllm_prefill_body(body), path, ids)
+        if not (isinstance(answer, Unreachable) and legs.can_retry("prefill")):
+            break
+        logger.warning("prefill leg: %s; another prefill worker", answer.message)
+        try:
+            prefill = legs.route("prefill")
+        except NoTarget:
+            break
     if isinstance(answer, upstream.ProxyError):
-        decode.finish(ok=False)
         await send_body(send, answer.status, answer.body())
         return
     params = wire.kv_transfer_params_of(answer)
     if params is None:
-        decode.finish(ok=False)
-        message = f"prefill worker {prefill.target.key} answered no kv_transfer_params"
+        message = f"prefill worker {dispatch.target.key} answered no kv_transfer_params"
         await _error(send, 502, message)
         return
+    extra = [(PREFILL_HEADER, dispatch.target.key.encode())]
     decode_body = {**body, wire.KV_TRANSFER_PARAMS: params}
-    await _decode_leg(router, decode, decode_body, path, send, extra, ids[1], since)
+    while True:
+        try:
+            decode, ids = legs.route("decode")
+        except NoTarget as exc:
+            await _error(send, 503, str(exc))
+            return
+        last = not legs.can_retry("decode")
+        failed = await upstream._attempt(router, decode, decode_body, path, send, last_try=last,
+                                         ids=ids, since=since, extra=extra)  # fmt: skip
+        if failed is None:
+            return
+        if last:
+            await send_body(send, failed.status, failed.body())
+            return
+        logger.warning("decode leg: %s; another decode worker", failed.message)
 
 
-async def _one_step(router, prefill, decode, body, path, send, extra, ids, since):
-    """SGLang's protocol: both legs at once, joined by the bootstrap room."""
+async def _one_step(router, prefill, decode, body, path, send, since):
+    """SGLang's protocol: both legs at once, joined by the bootstrap room (no leg is retried: the
+    other has gone with the same room)."""
+    (prefill, prefill_ids), (decode, decode_ids) = prefill, decode
+    extra = [(PREFILL_HEADER, prefill.target.key.encode())]
     worker = prefill.target.worker
     fields = wire.sglang_bootstrap(
         urlsplit(worker.url).hostname,
@@ -115,9 +160,11 @@ async def _one_step(router, prefill, decode, body, path, send, extra, ids, since
     )
     prefill_body = wire.sglang_prefill_body(body, fields)
     decode_body = wire.sglang_decode_body(body, fields, prefill.target.rank)
-    prefill_leg = asyncio.ensure_future(_prefill_leg(router, prefill, prefill_body, path, ids[0]))
+    prefill_leg = asyncio.ensure_future(
+        _prefill_leg(router, prefill, prefill_body, path, prefill_ids)
+    )
     decode_leg = asyncio.ensure_future(
-        _decode_leg(router, decode, decode_body, path, send, extra, ids[1], since)
+        _decode_leg(router, decode, decode_body, path, send, extra, decode_ids, since)
     )
     try:
         done, _ = await asyncio.wait({prefill_leg, decode_leg}, return_when=asyncio.FIRST_COMPLETED)
@@ -134,6 +181,10 @@ async def _one_step(router, prefill, decode, body, path, send, extra, ids, since
         for leg in (prefill_leg, decode_leg):
             leg.cancel()
         await asyncio.gather(prefill_leg, decode_leg, return_exceptions=True)
+
+
+class Unreachable(upstream.ProxyError):
+    """A leg's worker could not be reached: nothing was sent, another worker may take it."""
 
 
 def _room(rank: int | None, dp_size: int) -> int:
@@ -159,6 +210,13 @@ async def _prefill_leg(router, dispatch, body, path, ids) -> dict | upstream.Pro
                 read_timeout_s=config.request_timeout_s,
             )
             content = await response.read()
+        except (http1.ConnectError, http1.ConnectTimeout) as exc:  # nothing reached it
+            if isinstance(exc, http1.ConnectError):  # refused: the whole worker is gone
+                health.mark_unreachable(router, target.worker, f"unreachable: {exc}")
+            dispatch.unreachable()
+            return Unreachable(
+                502, f"prefill worker {target.key} unreachable: {exc}", "server_error"
+            )
         except http1.UpstreamError as exc:
             return upstream.ProxyError(
                 502, f"prefill worker {target.key} failed: {exc}", "server_error"
