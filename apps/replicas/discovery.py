@@ -31,6 +31,13 @@ OVERRIDABLE = ("dp_size", "block_size", "tokenizer_path", "kv_events", "role", "
 ROLES = ("prefill", "decode")  # prefill/decode disaggregation (apps/routing/proxy/pd.py)
 
 
+def role_of(info: dict) -> str | None:
+    """A worker's prefill/decode role: its registration's ``role``, else what its /server_info
+    says (``disaggregation_mode``: ours and SGLang's); None: it serves both in one."""
+    role = info.get("role") or info.get("disaggregation_mode")
+    return role if role in ROLES else None
+
+
 async def fetch_server_info(url: str, api_key: str = "", timeout_s: float = 10.0) -> dict:
     url = url.rstrip("/")
     try:

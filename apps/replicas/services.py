@@ -20,6 +20,7 @@ from apps.replicas.discovery import (
     dp_size_of,
     effective_info,
     fetch_server_info,
+    role_of,
 )
 from apps.replicas.models import Rank, Worker, WorkerEvent
 from apps.replicas.runtime import FleetRuntime
@@ -226,6 +227,8 @@ def worker_as_dict(worker: Worker, runtime: FleetRuntime | None = None) -> dict:
         "health": live["health"] if live else worker.health,
         "draining": worker.draining,
         "flavour": (worker.server_info or {}).get("flavour"),
+        # prefill/decode disaggregation: "prefill", "decode" or None (both in one)
+        "role": role_of(effective_info(worker.server_info, worker.overrides)),
         "server_info": worker.server_info,
         "overrides": worker.overrides,
         "sources": effective_info(worker.server_info, worker.overrides).get("sources", {}),

@@ -91,6 +91,7 @@ class RouterCollector:
         yield from self._target_counters(targets)
         yield from self._target_gauges(targets, _LOAD_GAUGES)
         yield from self._target_gauges(targets, _STATE_GAUGES)
+        yield _role_family(targets)
         yield from self._response_families()
         yield _policy_info(self.router)
         yield from self._observer_families()
@@ -226,6 +227,19 @@ def _tokenizer_families():
         "Prefix token caches turned off: a chunked encode differed from the whole text's",
         value=counts["mismatches"],
     )
+
+
+def _role_family(targets) -> GaugeMetricFamily:
+    """Each target's prefill/decode role (apps/routing/proxy/pd.py): "prefill", "decode", or
+    "both" for a worker that serves whole requests."""
+    family = GaugeMetricFamily(
+        f"{PREFIX}_target_role",
+        "1 per target, labelled with its prefill/decode role (both: whole requests)",
+        labels=[*_TARGET_LABELS, "role"],
+    )
+    for t in targets:
+        family.add_metric([*_target_labels(t), t.worker.role or "both"], 1)
+    return family
 
 
 def _policy_info(router) -> GaugeMetricFamily:

@@ -8,7 +8,7 @@ import os
 import re
 from urllib.parse import urlsplit
 
-from apps.replicas.discovery import ROLES, effective_info
+from apps.replicas.discovery import effective_info, role_of
 from apps.routing.decision.fleet import WorkerView
 from engine.digests import SCHEME
 
@@ -52,13 +52,6 @@ def view_of(worker, tokenizer_path: str | None = None) -> WorkerView:
             info.get("bootstrap_port") or info.get("disaggregation_bootstrap_port")
         ),
     )
-
-
-def role_of(info: dict) -> str | None:
-    """A worker's prefill/decode role: its registration's ``role``, else what its /server_info
-    says (``disaggregation_mode``: ours and SGLang's); None: it serves both in one."""
-    role = info.get("role") or info.get("disaggregation_mode")
-    return role if role in ROLES else None
 
 
 def _positive_int(value) -> int | None:

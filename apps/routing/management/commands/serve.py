@@ -1,6 +1,7 @@
 """``manage.py serve``: everything in one command — an engine (N DP ranks) and a dp-aware,
 cache-aware router in front of it, with the dashboard. With no arguments: the built-in tiny
-model on SQLite."""
+model on SQLite. ``--pd``: a prefill engine (on ``--engine-port``) and a decode engine (the port
+after it), each N DP ranks, behind a router in prefill/decode mode (docs/routing.md)."""
 
 import os
 import signal
@@ -54,6 +55,12 @@ class Command(BaseCommand):
             help="router processes on the port (N > 1 needs REDIS_URL: docs/operations.md)",
         )
         parser.add_argument(
+            "--pd",
+            action="store_true",
+            help="prefill/decode disaggregation: a prefill engine on --engine-port, a decode "
+            "engine on the port after it, the router in --pd-disaggregation mode",
+        )
+        parser.add_argument(
             "--engine-arg",
             action="append",
             default=[],
@@ -63,22 +70,29 @@ class Command(BaseCommand):
     def handle(self, *args, **o):
         call_command("migrate", interactive=False, verbosity=0)
         admin = ensure_admin_user()
-        engine_url = f"http://127.0.0.1:{o['engine_port']}"
-        cmd = [
-            sys.executable,
-            os.path.join(settings.BASE_DIR, "manage.py"),
-            "runengine",
-            "--model",
-            o["model"],
-            "--dp-size",
-            str(o["dp_size"]),
-            "--port",
-            str(o["engine_port"]),
-            "--host",
-            "127.0.0.1",
-            *o["engine_arg"],
-        ]
-        engine = subprocess.Popen(cmd)
+        roles = ("prefill", "decode") if o["pd"] else (None,)
+        engines, urls = [], []
+        for offset, role in enumerate(roles):
+            port = o["engine_port"] + offset
+            urls.append(f"http://127.0.0.1:{port}")
+            cmd = [
+                sys.executable,
+                os.path.join(settings.BASE_DIR, "manage.py"),
+                "runengine",
+                "--model",
+                o["model"],
+                "--dp-size",
+                str(o["dp_size"]),
+                "--port",
+                str(port),
+                "--host",
+                "127.0.0.1",
+                *(["--disaggregation-mode", role, "--disaggregation-bootstrap-port", "0"]
+                  if role else []),
+                *o["engine_arg"],
+            ]  # fmt: skip
+            engines.append(subprocess.Popen(cmd))
+        engine_url = " and ".join(urls)
         url = f"http://{o['host']}:{o['port']}"
         banner = (
             f"\n  OpenAI API   {url}/v1  (e.g. curl {url}/v1/chat/completions -d "
@@ -89,9 +103,14 @@ class Command(BaseCommand):
             f"(dp_size {o['dp_size']}; the router discovers it when it is ready)\n"
         )
         try:
+            workers = (
+                {"pd_disaggregation": True, "prefill": [[urls[0]]], "decode": [urls[1]]}
+                if o["pd"]
+                else {"worker_urls": urls}
+            )
             serve_router(
                 {
-                    "worker_urls": [engine_url],
+                    **workers,
                     "dp_aware": True,
                     "policy": o["policy"],
                     "host": o["host"],
@@ -103,8 +122,10 @@ class Command(BaseCommand):
                 on_ready=lambda: self.stdout.write(banner),
             )
         finally:
-            engine.send_signal(signal.SIGINT)
-            try:
-                engine.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                engine.kill()
+            for engine in engines:
+                engine.send_signal(signal.SIGINT)
+            for engine in engines:
+                try:
+                    engine.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    engine.kill()
