@@ -30,7 +30,13 @@ async def health(request):
         status, state = 503, "draining"
     else:
         status, state = (200, "ok") if available else (503, "unavailable")
-    response = JsonResponse({"status": state, "targets": available}, status=status)
+    payload = {"status": state, "targets": available}
+    if router.config.pd and status == 200:  # a request needs a worker of each role
+        missing = [r for r in ("prefill", "decode") if not router.fleet.candidates(None, r)]
+        if missing:
+            status, payload["status"] = 503, "unavailable"
+            payload["reason"] = f"no available {' or '.join(missing)} worker"
+    response = JsonResponse(payload, status=status)
     # A 503 here is the answer a load balancer polls for, not a server error: keep it out of
     # django.request's ERROR log (the flag Django itself sets on a response it has logged).
     response._has_been_logged = True
