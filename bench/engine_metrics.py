@@ -19,8 +19,6 @@ SAMPLES = {
     "requests": "dpmesh_engine_requests_total",
     "prompt_tokens": "dpmesh_engine_prompt_tokens_total",
     "cached_tokens": "dpmesh_engine_cached_tokens_total",
-    # prefill/decode disaggregation: what a decode rank pulled (engine/kv_transfer.py)
-    "kv_bytes_pulled": "dpmesh_engine_kv_transfer_bytes_pulled_total",
 }
 # vLLM's names for the same, per DP rank (label ``engine``)
 VLLM_SAMPLES = {

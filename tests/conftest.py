@@ -62,3 +62,25 @@ def redis_url() -> str:
     except redis.RedisError as error:
         _service_missing(f"Redis at {REDIS_TEST_URL}", error)
     return REDIS_TEST_URL
+
+
+@pytest.fixture(scope="session")
+def pd_engines(tmp_path_factory):
+    """(prefill, decode): our engine in both prefill/decode roles (DP 2 each, the tiny model,
+    a 3 s KV-transfer timeout, bootstrap listener on a free port), started at once and shared by
+    the engine's and the router's PD tests (tests/engine/test_pd_server.py,
+    tests/routing/test_pd_routing.py): starting a pair takes ~25 s on the CI machine."""
+    from concurrent.futures import ThreadPoolExecutor
+    from contextlib import ExitStack
+
+    tmp = tmp_path_factory.mktemp("pd-engines")
+    common = ("--dp-size", "2", "--num-kv-blocks", "256", "--max-model-len", "1024",
+              "--kv-transfer-timeout-secs", "3",
+              "--disaggregation-bootstrap-port", "0")  # fmt: skip
+    with ExitStack() as stack, ThreadPoolExecutor(2) as pool:
+        jobs = [
+            pool.submit(lambda m: stack.enter_context(
+                procs.start_engine(tmp, *common, "--disaggregation-mode", m, name=m)), mode)
+            for mode in ("prefill", "decode")
+        ]  # fmt: skip
+        yield tuple(job.result() for job in jobs)

@@ -29,7 +29,7 @@ from bench.oracle import oracle_cached
 from bench.runner import RunOptions, send_samples
 from bench.runs.routers_on_our_engine import tokenizer
 from bench.summary import distribution_ms
-from harness.procs import free_port, router_command, start, start_engine
+from harness.procs import free_port, metrics, router_command, start, start_engine
 
 TARGETS = ("dpmesh", "dpmesh-sglang", "sglang-router", "vllm-router")
 
@@ -63,12 +63,19 @@ def workload(tok, seed: int, args):
 
 async def measure(prefill, decode, url: str, samples, conc: int):
     before = [await engine_metrics.scrape(e.url + "/metrics") for e in (prefill, decode)]
+    pulled = _pulled(decode.url)
     opts = RunOptions(base_url=url, model="tiny", max_concurrency=conc, progress=False)
     run = await send_samples(opts, samples)
     await asyncio.sleep(0.5)  # the ranks report every 0.25 s
     after = [await engine_metrics.scrape(e.url + "/metrics") for e in (prefill, decode)]
     diffs = [engine_metrics.delta(b, a) for b, a in zip(before, after, strict=True)]
-    return run, diffs
+    return run, diffs, _pulled(decode.url) - pulled
+
+
+def _pulled(url: str) -> float:
+    """Bytes of KV the decode worker's ranks pulled so far."""
+    found = metrics(url)
+    return sum(v for (name, _), v in found.items() if name == "kv_transfer_bytes_pulled")
 
 
 def main(argv=None) -> None:
@@ -107,10 +114,10 @@ def main(argv=None) -> None:
                     url = f"http://127.0.0.1:{port}"
                     with start(cmd, url, tmp / f"{name}-{seed}.log", env=env, timeout=120):
                         samples = workload(tok, seed, args)
-                        run, (pdiff, ddiff) = asyncio.run(
+                        run, (pdiff, _), pulled = asyncio.run(
                             measure(prefill, decode, url, samples, conc)
                         )
-                    print(row(rnd, conc, name, run, pdiff, ddiff, samples, tok), flush=True)
+                    print(row(rnd, conc, name, run, pdiff, pulled, samples, tok), flush=True)
 
 
 def engine_metrics_bootstrap(url: str) -> int:
@@ -119,16 +126,15 @@ def engine_metrics_bootstrap(url: str) -> int:
     return httpx.get(url + "/server_info", timeout=10).json()["disaggregation_bootstrap_port"]
 
 
-def row(rnd, conc, name, run, pdiff, ddiff, samples, tok) -> str:
+def row(rnd, conc, name, run, pdiff, pulled: float, samples, tok) -> str:
     ok = [r for r in run.results if r.ok]
     prompts = [tok.encode(s.prompt, add_special_tokens=False) for s in samples]
     oracle = sum(oracle_cached(prompts))
     p_cached = sum(pdiff.get("cached_tokens", {}).values())
-    pulled = sum(ddiff.get("kv_bytes_pulled", {}).values()) / 2**20
     ttft = distribution_ms(r.ttft for r in ok)
     return (
-        f"| {rnd + 1} | {conc} | {name} | {p_cached / oracle:.3f} | "
-        f"{pulled:.1f} MiB | {ttft['mean']:.0f} ms | {ttft['median']:.0f} ms "
+        f"| {rnd + 1} | {conc} | {name} | {p_cached / max(1, oracle):.3f} | "
+        f"{pulled / 2**20:.1f} MiB | {ttft['mean']:.0f} ms | {ttft['median']:.0f} ms "
         f"| {ttft['p99']:.0f} ms | {run.duration_s:.1f} s | {len(run.results) - len(ok)} |"
     )
 

@@ -11,7 +11,6 @@ import shutil
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
@@ -35,29 +34,8 @@ PREFILL_PARAMS = {
 
 
 @pytest.fixture(scope="module")
-def pd(tmp_path_factory):
-    common = ("--dp-size", str(DP), "--num-kv-blocks", "256", "--max-model-len", "1024")
-    with ExitStack() as stack, ThreadPoolExecutor(2) as pool:
-        jobs = [
-            pool.submit(
-                lambda mode: stack.enter_context(
-                    start_engine(
-                        tmp_path_factory.mktemp(mode),
-                        *common,
-                        "--disaggregation-mode",
-                        mode,
-                        "--kv-transfer-timeout-secs",
-                        "3",
-                        "--disaggregation-bootstrap-port",
-                        "0",
-                    )
-                ),
-                mode,
-            )
-            for mode in ("prefill", "decode")
-        ]
-        prefill, decode = (job.result() for job in jobs)
-        yield prefill, decode
+def pd(pd_engines):
+    return pd_engines
 
 
 def prompt_text(seed: int, words: int = 90) -> str:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import random
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 
 import httpx
@@ -22,18 +21,13 @@ WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu x
 
 
 @pytest.fixture(scope="module")
-def pd(tmp_path_factory):
+def pd(pd_engines, tmp_path_factory):
+    """The shared prefill and decode engines (tests/conftest.py) behind two routers of ours in
+    prefill/decode mode, one per protocol."""
+    prefill, decode = pd_engines
     tmp = tmp_path_factory.mktemp("pd")
-    common = ("--dp-size", str(DP), "--num-kv-blocks", "256", "--max-model-len", "1024",
-              "--disaggregation-bootstrap-port", "0")  # fmt: skip
-    with ExitStack() as stack, ThreadPoolExecutor(2) as pool:
-        jobs = [
-            pool.submit(lambda m: stack.enter_context(
-                start_engine(tmp, *common, "--disaggregation-mode", m, name=m)), mode)
-            for mode in ("prefill", "decode")
-        ]  # fmt: skip
-        prefill, decode = (job.result() for job in jobs)
-        pd_flags = ("--pd-disaggregation", "--prefill", prefill.url, "--decode", decode.url)
+    pd_flags = ("--pd-disaggregation", "--prefill", prefill.url, "--decode", decode.url)
+    with ExitStack() as stack:
         routers = {
             protocol: stack.enter_context(
                 start_router(tmp, [], f"router-{protocol}", *pd_flags, "--pd-protocol", protocol)
