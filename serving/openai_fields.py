@@ -44,10 +44,10 @@ def is_int(v) -> bool:
 
 
 def rank_hint(body: dict, headers: dict[str, str], dp_size: int) -> int | None:
-    """The requested DP rank from ``data_parallel_rank`` / ``data-parallel-rank`` (body) or
-    ``X-data-parallel-rank`` (header); None when absent. Anything but an in-range integer is a
-    400."""
-    for key in ("data_parallel_rank", "data-parallel-rank"):
+    """The requested DP rank from ``routed_dp_rank`` (SGLang's name since sglang#19268),
+    ``data_parallel_rank`` / ``data-parallel-rank`` (body) or ``X-data-parallel-rank`` (header);
+    None when absent. Anything but an in-range integer is a 400."""
+    for key in ("routed_dp_rank", "data_parallel_rank", "data-parallel-rank"):
         if body.get(key) is not None:
             return _check_rank(body[key], key, dp_size)
     header = headers.get("x-data-parallel-rank")

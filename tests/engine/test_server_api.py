@@ -58,13 +58,15 @@ def sse_events(text: str) -> list:
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
 @pytest.mark.parametrize("stream", [False, True])
-@pytest.mark.parametrize("how", ["body", "body-hyphen", "header"])
+@pytest.mark.parametrize("how", ["body", "body-hyphen", "body-routed", "header"])
 def test_requested_rank_serves(engine, endpoint, stream, how):
     for rank in range(DP):
         before = metrics(engine.url)
         extra, headers = {}, {}
         if how == "body":
             extra["data_parallel_rank"] = rank
+        elif how == "body-routed":  # SGLang's newer name
+            extra["routed_dp_rank"] = rank
         elif how == "body-hyphen":
             extra["data-parallel-rank"] = rank
         else:

@@ -48,6 +48,7 @@ def upstream_payload(
         payload[PRETOKENIZED] = ids
     if dispatch.target.rank is not None:
         payload.pop("data-parallel-rank", None)
+        payload.pop("routed_dp_rank", None)  # the router's choice is the one the engine reads
         payload["data_parallel_rank"] = dispatch.target.rank
     if stream:
         payload["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
