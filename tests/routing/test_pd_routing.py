@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import json
 import random
+import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 
 import httpx
 import pytest
 
 from harness.procs import metrics, start_engine, wait_for
-from tests.support.router_checks import start_router
+from tests.support.router_checks import assert_idle, start_router
 
 pytestmark = pytest.mark.slow
 
@@ -163,4 +165,39 @@ def test_a_prefill_worker_killed_under_load_loses_no_request(pd, tmp_path):
                 assert r.headers["x-prefill-target"].startswith(prefill.url)
             assert "another prefill worker" in router.log()  # the retry ran, not only the health
     assert wait_for(lambda: _held(prefill.url) == 0, timeout=10)
+    assert wait_for(lambda: _held(decode.url) == 0, timeout=10)
+
+
+def test_a_decode_worker_killed_mid_workload_hangs_nothing_and_leaks_nothing(pd, tmp_path):
+    """Two decode workers, one SIGKILLed while streams run on it: its streams end (an error event
+    or a retry elsewhere), none hangs; requests sent 5 s later all succeed; nothing stays held on
+    the prefill side (a prefill whose decode died is released at the KV timeout, 3 s here) and
+    the router's load is back to 0."""
+    prefill, decode, _ = pd
+    role = ("--disaggregation-mode", "decode")
+    with start_engine(tmp_path, "--dp-size", "1", *role, name="doomed-decode") as doomed:
+        flags = ("--pd-disaggregation", "--prefill", prefill.url, "--decode", decode.url,
+                 "--decode", doomed.url, "--decode-policy", "round_robin")  # fmt: skip
+        with start_router(tmp_path, [], "two-decodes", *flags) as router:
+            assert wait_for(lambda: _targets(router.url) == 2 * DP + 1, timeout=60)
+
+            def one(i: int) -> str:
+                body = {**body_for(False, prompt_text(7000 + i), stream=True), "max_tokens": 48,
+                        "ignore_eos": True}  # fmt: skip
+                r = httpx.post(router.url + "/v1/completions", json=body, timeout=60)
+                return f"{r.status_code} {'error' if 'error' in r.text else 'ok'}"
+
+            with ThreadPoolExecutor(6) as pool:
+                jobs = [pool.submit(one, i) for i in range(12)]
+                time.sleep(1.0)
+                doomed.kill()
+                outcomes = [job.result(timeout=90) for job in jobs]  # none hangs
+            assert "200 ok" in outcomes, outcomes
+            time.sleep(5)
+            for i in range(6):
+                r = post(router.url, body_for(False, prompt_text(8000 + i)), False)
+                assert r.status_code == 200, r.text
+                assert r.headers["x-routed-target"].startswith(decode.url)
+            assert_idle(router.url, timeout=10)
+    assert wait_for(lambda: _held(prefill.url) == 0, timeout=15), _held(prefill.url)
     assert wait_for(lambda: _held(decode.url) == 0, timeout=10)
