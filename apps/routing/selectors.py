@@ -133,6 +133,8 @@ def _worker_rows(router) -> tuple[list[dict], dict[int, str]]:
                 "dp_size": w.dp_size,
                 "flavour": (w.server_info or {}).get("flavour")
                 or ("dpmesh" if w.server_info else None),
+                # prefill/decode disaggregation: "prefill", "decode" or None (both in one)
+                "role": view.role if view is not None else None,
                 "health": health,
                 "health_detail": w.health_detail,
                 "draining": w.draining,

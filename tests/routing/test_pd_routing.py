@@ -201,3 +201,12 @@ def test_a_decode_worker_killed_mid_workload_hangs_nothing_and_leaks_nothing(pd,
             assert_idle(router.url, timeout=10)
     assert wait_for(lambda: _held(prefill.url) == 0, timeout=15), _held(prefill.url)
     assert wait_for(lambda: _held(decode.url) == 0, timeout=10)
+
+
+def test_workers_and_metrics_say_each_workers_role(pd):
+    prefill, decode, routers = pd
+    url = routers["vllm"].url
+    roles = {w["url"]: w["role"] for w in httpx.get(url + "/workers", timeout=10).json()["workers"]}
+    assert roles == {prefill.url: "prefill", decode.url: "decode"}
+    text = httpx.get(url + "/metrics", timeout=10).text
+    assert f'dpmesh_router_target_role{{rank="1",role="decode",target="{decode.url}@1"' in text

@@ -200,7 +200,7 @@
 
   function updateWorkerHeader(group, w) {
     // The header is small and rarely changes: rebuild it only when its content would differ.
-    const key = JSON.stringify([w.id, w.url, w.model, w.flavour, w.dp_size, w.health, w.health_detail, w.draining]);
+    const key = JSON.stringify([w.id, w.url, w.model, w.flavour, w.role, w.dp_size, w.health, w.health_detail, w.draining]);
     if (group.key === key) return;
     group.key = key;
     const parts = [
@@ -211,6 +211,8 @@
       el("span", { class: "muted", "data-worker-field": "flavour" }, w.flavour || DASH),
       badge(w.health || "unknown", healthClass(w.health)),
     ];
+    // prefill/decode disaggregation: the worker's role (none shown: it serves whole requests)
+    if (w.role) parts.splice(5, 0, el("span", { class: "muted", "data-worker-field": "role" }, w.role));
     if (w.draining) parts.push(badge("draining", "warn"));
     if (w.health_detail) parts.push(el("span", { class: "muted small" }, w.health_detail));
     group.headerCell.replaceChildren(...parts);
