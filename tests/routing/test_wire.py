@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from apps.routing.proxy import wire
 from apps.routing.proxy.endpoint import ProxyError, parse
 from apps.routing.proxy.wire import upstream_payload
 from engine.digests import block_digest, chain_digests
@@ -97,3 +98,23 @@ def test_ids_go_beside_the_text_only_when_made_with_the_engines_own_tokenizer(tm
 
     assert sent(None) == [1, 2, 3]  # the engine's own tokenizer: its ids are the engine's
     assert sent(str(routers_tokenizer)) is None  # the router's own: the engine encodes the text
+
+
+def test_a_decode_answers_cached_tokens_become_the_prefill_sides():
+    """vLLM's decode worker counts the KV it pulled as cached (the whole prompt); the client is
+    owed the prefill side's count (apps/routing/proxy/pd.py)."""
+    usage = {"prompt_tokens": 300, "completion_tokens": 2,
+             "prompt_tokens_details": {"cached_tokens": 288}}  # fmt: skip
+    body = json.dumps({"id": "x", "choices": [{"text": "hi"}], "usage": usage}).encode()
+    fixed = json.loads(wire.with_cached_tokens(body, 96))
+    assert fixed["usage"]["prompt_tokens_details"] == {"cached_tokens": 96}
+    assert fixed["choices"] == [{"text": "hi"}] and fixed["usage"]["prompt_tokens"] == 300
+    event = b'data: {"choices": [], "usage": {"prompt_tokens": 300, "prompt_tokens_details": null}}'
+    out = wire.with_cached_tokens(event, 0)
+    assert out.startswith(b"data: ") and wire.usage_of(out)["prompt_tokens_details"] == {
+        "cached_tokens": 0
+    }
+    no_usage = b'data: {"choices": [{"text": "a"}], "usage": null}'
+    assert wire.with_cached_tokens(no_usage, 5) == no_usage
+    assert wire.cached_tokens_of(json.loads(body)) == 288
+    assert wire.cached_tokens_of({"usage": None}) is None

@@ -130,6 +130,7 @@ async def _two_step(router, legs: Legs, prefill, body, path, send, since):
         return
     extra = [(PREFILL_HEADER, dispatch.target.key.encode())]
     decode_body = {**body, wire.KV_TRANSFER_PARAMS: params}
+    cached = wire.cached_tokens_of(answer)
     while True:
         try:
             decode, ids = legs.route("decode")
@@ -137,8 +138,11 @@ async def _two_step(router, legs: Legs, prefill, body, path, send, since):
             await _error(send, 503, str(exc))
             return
         last = not legs.can_retry("decode")
+        # ours reports the prefill side's cached tokens itself; vLLM's counts what it pulled
+        fix = cached if decode.target.worker.flavour != "dpmesh" else None
         failed = await upstream._attempt(router, decode, decode_body, path, send, last_try=last,
-                                         ids=ids, since=since, extra=extra)  # fmt: skip
+                                         ids=ids, since=since, extra=extra,
+                                         cached_tokens=fix)  # fmt: skip
         if failed is None:
             return
         if last:

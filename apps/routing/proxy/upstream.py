@@ -161,6 +161,7 @@ async def _attempt(
     ids: list[int] | None = None,
     since: float,
     extra: list | None = None,
+    cached_tokens: int | None = None,
 ) -> ProxyError | None:
     """Send the request to the dispatch's target and relay the answer to the client. Returns
     the error to retry on another target when nothing reached the client, else None. ``ids``:
@@ -211,7 +212,9 @@ async def _attempt(
         router.stats.overhead.observe(overhead_s)
         content_type = response.headers.get("content-type", "application/json")
         if response.status == 200 and stream and content_type.startswith("text/event-stream"):
-            await _relay_stream(dispatch, response, wire.wants_usage(body), send, headers, ending)
+            await _relay_stream(
+                dispatch, response, wire.wants_usage(body), send, headers, ending, cached_tokens
+            )
         else:
             try:
                 content = await response.read()
@@ -220,6 +223,8 @@ async def _attempt(
                 await send_body(send, error.status, error.body())
                 return None
             ending.ok = response.status < 400
+            if ending.ok and cached_tokens is not None:
+                content = wire.with_cached_tokens(content, cached_tokens)
             ending.usage = wire.usage_from_body(content) if ending.ok else None
             await send_body(send, response.status, content, content_type.encode(), headers)
         return None
@@ -232,7 +237,9 @@ async def _attempt(
         ending.apply(dispatch)
 
 
-async def _relay_stream(dispatch, response, client_wants_usage: bool, send, headers, ending):
+async def _relay_stream(
+    dispatch, response, client_wants_usage: bool, send, headers, ending, cached_tokens=None
+):
     """Relay the SSE events as they arrive; a failure mid-stream ends it with an error event."""
     await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS + headers})
     buffer = b""
@@ -246,6 +253,9 @@ async def _relay_stream(dispatch, response, client_wants_usage: bool, send, head
             out = []
             for event in events:
                 found = wire.usage_of(event)
+                if found is not None and cached_tokens is not None:
+                    event = wire.with_cached_tokens(event, cached_tokens)
+                    found = wire.usage_of(event)
                 if found is not None:
                     ending.usage = found
                     if not client_wants_usage and wire.is_usage_only(event):

@@ -116,6 +116,13 @@ def vllm_prefill_body(body: dict) -> dict:
     return out
 
 
+def cached_tokens_of(answer: dict) -> int | None:
+    usage = answer.get("usage")
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return cached if isinstance(cached, int) and not isinstance(cached, bool) else None
+
+
 def kv_transfer_params_of(answer: dict) -> dict | None:
     params = answer.get(KV_TRANSFER_PARAMS)
     return params if isinstance(params, dict) else None
@@ -142,6 +149,22 @@ def sglang_decode_body(body: dict, bootstrap: dict, prefill_rank: int | None) ->
     if prefill_rank is not None:
         out["disagg_prefill_dp_rank"] = prefill_rank
     return out
+
+
+def with_cached_tokens(content: bytes, cached: int) -> bytes:
+    """An answer (a JSON body, or one SSE ``data:`` event) whose usage says ``cached`` prompt
+    tokens were cached: a decode worker that counts the KV it pulled as cached (vLLM's) reports
+    the whole prompt; the client is owed the prefill side's count. Unchanged if it has no usage."""
+    event = content.startswith(b"data: ")
+    data = json_object(content[6:] if event else content)
+    usage = data.get("usage") if data else None
+    if not isinstance(usage, dict):
+        return content
+    details = usage.get("prompt_tokens_details")
+    usage["prompt_tokens_details"] = {**(details if isinstance(details, dict) else {}),
+                                      "cached_tokens": cached}  # fmt: skip
+    encoded = msgspec.json.encode(data)
+    return b"data: " + encoded if event else encoded
 
 
 def json_object(content: bytes) -> dict | None:
