@@ -16,10 +16,13 @@ session keeps both legs where they were (one session entry per role). Then, by p
   ``bootstrap_room``, the room chosen so that ``room % dp_size`` is the chosen prefill rank (which
   the prefill leg also names as its rank), ``disagg_prefill_dp_rank`` telling the decode side.
 
-Failure: a prefill leg that fails ends the request with its error (two steps: the decode leg is
-never sent; one step: the decode leg is cancelled, which closes its connection, so the engine
-aborts it). A client that leaves cancels both. Each leg's dispatch is ended exactly once, by the
-code that sent it. Not here yet: retrying a leg on another worker (the request fails instead).
+Failure: with no decode worker the request is a 503 before any prefill holds KV. In two steps
+a leg whose worker could not be reached goes to another worker of its role (the prefill's KV
+waits for whichever decode worker pulls it), up to ``--max-retries``; any other failure of a
+prefill leg ends the request with its error, the decode leg never sent. In one step no leg is
+retried: a failed prefill leg cancels the decode leg, which closes its connection, so its engine
+aborts it. A client that leaves cancels both. Each leg's dispatch is ended exactly once, by the
+code that sent it.
 """
 
 from __future__ import annotations
