@@ -172,7 +172,7 @@ class KVServer:
                     return
                 key = ask["request_id"]
                 self._answer(conn, ask, key, *found)
-            except (OSError, ValueError, TypeError) as exc:
+            except Exception as exc:  # a broken pull must not end the listener's thread silently
                 logger.warning("KV pull for %s failed: %r", key, exc)
                 if key is not None:
                     self.done.put(Served(key, 0, 0, 0.0))
