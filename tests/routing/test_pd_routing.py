@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from harness.procs import metrics, start_engine, wait_for
-from tests.support.router_checks import assert_idle, start_router
+from tests.support.router_checks import assert_idle, counter, start_router
 
 pytestmark = pytest.mark.slow
 
@@ -210,3 +210,19 @@ def test_workers_and_metrics_say_each_workers_role(pd):
     assert roles == {prefill.url: "prefill", decode.url: "decode"}
     text = httpx.get(url + "/metrics", timeout=10).text
     assert f'dpmesh_router_target_role{{rank="1",role="decode",target="{decode.url}@1"' in text
+
+
+def test_a_session_keeps_both_of_its_legs_where_they_started(pd):
+    """Unrelated prompts of one session (``X-Session-ID``): each leg stays on the rank it started
+    on, though nothing in the prompts would keep it there."""
+    _, _, routers = pd
+    url = routers["vllm"].url
+    kept = lambda: counter(url, "dpmesh_router_session_requests_total")  # noqa: E731
+    before, legs = kept(), set()
+    for i in range(4):
+        r = httpx.post(url + "/v1/completions", json=body_for(False, prompt_text(9100 + i)),
+                       headers={"X-Session-ID": "pd-session-1"}, timeout=60)  # fmt: skip
+        assert r.status_code == 200, r.text
+        legs.add((r.headers["x-prefill-target"], r.headers["x-routed-target"]))
+    assert len(legs) == 1, legs
+    assert kept() - before == 8  # each leg of each request went through its own session entry
