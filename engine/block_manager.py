@@ -184,13 +184,7 @@ class BlockManager:
     # ----- release -------------------------------------------------------------------------
     def free_sequence(self, seq: Sequence) -> None:
         """Drop ``seq``'s references, tail first, so shared heads are evicted last."""
-        for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            assert block.ref_count > 0, f"block {block_id} freed twice"
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free[block_id] = None
-                self.cached_free += block.digest is not None
+        self.release(seq.block_table)
         seq.block_table = []
         seq.num_computed_tokens = 0
 
@@ -204,7 +198,8 @@ class BlockManager:
         return block_ids
 
     def release(self, block_ids: list[int]) -> None:
-        """Drop one reference on each of ``block_ids`` (``hold``'s, or ``pin``'s), tail first."""
+        """Drop one reference on each of ``block_ids`` (a sequence's, ``hold``'s or ``pin``'s),
+        tail first, so shared heads are evicted last."""
         for block_id in reversed(block_ids):
             block = self.blocks[block_id]
             assert block.ref_count > 0, f"block {block_id} released twice"

@@ -77,6 +77,21 @@ def recv_frame(sock: socket.socket) -> dict:
     return payload
 
 
+def serve_connections(sock: socket.socket, handle, name: str) -> None:
+    """Accept on ``sock`` in a thread called ``name`` until it is closed; each connection is
+    ``handle(conn)`` in a thread of its own."""
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = sock.accept()
+            except OSError:
+                return  # closed
+            threading.Thread(target=handle, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, name=name, daemon=True).start()
+
+
 @dataclass
 class Served:
     """A pull the server finished (or refused after taking the hold): the rank's loop releases
@@ -107,7 +122,7 @@ class KVServer:
         self.done: queue.SimpleQueue[Served] = queue.SimpleQueue()
         self.sock = socket.create_server((host, port))
         self.port = self.sock.getsockname()[1]
-        threading.Thread(target=self._accept, name="kv-server", daemon=True).start()
+        serve_connections(self.sock, self._serve, "kv-server")
 
     def offer(self, key: str, block_ids: list[int], digests: list[int], cached: int = 0) -> None:
         with self.lock:
@@ -129,14 +144,6 @@ class KVServer:
 
     def close(self) -> None:
         self.sock.close()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return  # closed
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _claim(self, key, wait_s: float):
         """The offer under ``key`` taken for this pull (busy meanwhile), waiting up to

@@ -34,7 +34,6 @@ import asyncio
 import json
 import logging
 import socket
-import threading
 
 from engine import kv_transfer
 from engine.server.ipc import PullKV
@@ -173,18 +172,10 @@ class BootstrapServer:
         self.client = client
         self.sock = socket.create_server((host, port))
         self.port = self.sock.getsockname()[1]
-        threading.Thread(target=self._accept, name="pd-bootstrap", daemon=True).start()
+        kv_transfer.serve_connections(self.sock, self._serve, "pd-bootstrap")
 
     def close(self) -> None:
         self.sock.close()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
         with conn:

@@ -118,7 +118,7 @@ class SimulatedRunner:
         return b""
 
     def import_blocks(self, block_ids: list[int], data: bytes) -> None:
-        pass
+        """Nothing to write: a simulated rank has no KV."""
 
     def transfer_s(self, num_blocks: int) -> float:
         """The modeled wall time of pulling ``num_blocks`` blocks, at this run's speedup."""
