@@ -43,6 +43,9 @@ SAMPLE_FIELDS = (
     "waiting",
     "kv_blocks_used",
     "kv_blocks_total",
+    "kv_blocks_pulled",
+    "kv_bytes_pulled",
+    "kv_bytes_sent",
 )
 
 # Engine metric names -> RankSample fields: ours (per-rank label "rank"), then vLLM's (label
@@ -58,6 +61,9 @@ _METRIC_MAP = {
     "dpmesh_engine_kv_blocks_used": "kv_blocks_used",
     "dpmesh_engine_kv_blocks_total": "kv_blocks_total",
     "dpmesh_engine_rank_up": "rank_up",
+    "dpmesh_engine_kv_transfer_blocks_pulled": "kv_blocks_pulled",
+    "dpmesh_engine_kv_transfer_bytes_pulled": "kv_bytes_pulled",
+    "dpmesh_engine_kv_transfer_bytes_sent": "kv_bytes_sent",
     "vllm:request_success": "requests",
     "vllm:prefix_cache_queries": "prompt_tokens",
     "vllm:prefix_cache_hits": "cached_tokens",

@@ -104,6 +104,10 @@ class RankSample(models.Model):
     waiting = models.IntegerField(default=0)
     kv_blocks_used = models.IntegerField(default=0)
     kv_blocks_total = models.IntegerField(default=0)
+    # prefill/decode disaggregation: KV a decode rank pulled, a prefill rank sent (cumulative)
+    kv_blocks_pulled = models.BigIntegerField(default=0)
+    kv_bytes_pulled = models.BigIntegerField(default=0)
+    kv_bytes_sent = models.BigIntegerField(default=0)
     up = models.BooleanField(default=True)
 
     class Meta:

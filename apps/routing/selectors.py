@@ -125,6 +125,7 @@ def _worker_rows(router) -> tuple[list[dict], dict[int, str]]:
             key = target_key(w.url, row.rank)
             rank_keys[row.id] = key
             ranks.append(_rank_row(router, key, row, targets.get(key), latest.get(row.id)))
+            ranks[-1]["role"] = view.role if view is not None else None
         worker_rows.append(
             {
                 "id": w.id,
@@ -182,6 +183,12 @@ def _rank_row(router, key: str, row, target, sample: RankSample | None) -> dict:
         "inflight_tokens": target.load.inflight_tokens if target else 0,
         "kv_blocks_used": sample.kv_blocks_used if sample else None,
         "kv_blocks_total": sample.kv_blocks_total if sample else None,
+        # prefill/decode disaggregation: the KV this rank's engine pulled (decode) or sent
+        # (prefill) so far; against a decode rank's router columns (what the index predicted it
+        # held before the pull) it says how much transfer the routing saved
+        "kv_blocks_pulled": sample.kv_blocks_pulled if sample else None,
+        "kv_bytes_pulled": sample.kv_bytes_pulled if sample else None,
+        "kv_bytes_sent": sample.kv_bytes_sent if sample else None,
         "scraped_at": sample.at.timestamp() if sample else None,
         # precise (KV events followed) or not, and why not: the observers know
         "precise": False,
@@ -190,7 +197,9 @@ def _rank_row(router, key: str, row, target, sample: RankSample | None) -> dict:
 
 
 # the fleet's totals: sums of the rank rows' columns of the same name (an engine column is null
-# on a rank not scraped yet, and adds nothing)
+# on a rank not scraped yet, and adds nothing). In a prefill/decode-disaggregated fleet a request
+# is counted by its prefill leg: its decode leg's rank reports the same prompt and the prefill
+# side's cached tokens again, so decode ranks are left out of the request and token sums
 _FLEET_SUMS = (
     "requests",
     "prompt_tokens",
@@ -198,8 +207,8 @@ _FLEET_SUMS = (
     "engine_requests",
     "engine_prompt_tokens",
     "engine_cached_tokens",
-    "inflight_requests",
 )
+_FLEET_SUMS_ALL_RANKS = ("inflight_requests", "kv_bytes_pulled")
 
 
 def _fleet_totals(worker_rows: list[dict], chart: dict, admission) -> dict:
@@ -207,7 +216,9 @@ def _fleet_totals(worker_rows: list[dict], chart: dict, admission) -> dict:
     of the ranks' rates, which would weigh an idle rank like a busy one), the latest requests/s
     of the chart, and the admission queue (every worker's under ``--workers N``)."""
     ranks = [rank for w in worker_rows for rank in w["ranks"]]
-    fleet = {name: sum(rank[name] or 0 for rank in ranks) for name in _FLEET_SUMS}
+    computing = [rank for rank in ranks if rank.get("role") != "decode"]
+    fleet = {name: sum(rank[name] or 0 for rank in computing) for name in _FLEET_SUMS}
+    fleet.update({name: sum(rank[name] or 0 for rank in ranks) for name in _FLEET_SUMS_ALL_RANKS})
     fleet["router_hit_rate"] = _rate(fleet["predicted_tokens"], fleet["prompt_tokens"])
     fleet["engine_hit_rate"] = _rate(fleet["engine_cached_tokens"], fleet["engine_prompt_tokens"])
     rps = [v for v in chart["requests_per_s"] if v is not None]

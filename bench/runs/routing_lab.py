@@ -46,6 +46,7 @@ class Flight:
     first_token: float | None = None
     cached: int = 0
     done: bool = False
+    end: float | None = None
 
 
 @dataclass
@@ -178,7 +179,7 @@ class Replay:
                 flight.first_token = self.clock.now
                 flight.dispatch.first_token()
             if out.finished:
-                flight.cached, flight.done = out.num_cached_tokens, True
+                flight.cached, flight.done, flight.end = out.num_cached_tokens, True, self.clock.now
                 usage = {"prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
                 flight.dispatch.finish(ok=True, usage=usage)
                 del rank.flights[out.request_id]

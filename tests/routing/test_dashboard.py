@@ -102,6 +102,40 @@ def test_snapshot_puts_the_engine_and_the_router_side_by_side(router):
     json.dumps(snap)  # what the websocket sends must be JSON
 
 
+def test_a_pd_fleet_counts_requests_by_their_prefill_leg_and_shows_the_kv_moved(router):
+    """A decode rank reports the same prompt and the prefill side's cached tokens again: the fleet
+    totals count each request once (by its prefill leg); each rank shows the KV it moved."""
+    roles = {"prefill": "http://127.0.0.1:7", "decode": "http://127.0.0.1:8"}
+    workers = {}
+    for role, url in roles.items():
+        workers[role] = Worker.objects.create(
+            url=url, dp_size=1, model_id="tiny",
+            server_info={"dp_size": 1, "model_id": "tiny", "disaggregation_mode": role},
+        )  # fmt: skip
+        rank = Rank.objects.create(worker=workers[role], rank=0)
+        LiveFleet(router).worker_saved(workers[role], {0: rank.id})
+    now = timezone.now()
+    prefill_rank, decode_rank = (workers[r].ranks.get() for r in roles)
+    sample(prefill_rank, now, 10, 1000, 600)
+    RankSample.objects.filter(rank=prefill_rank).update(kv_bytes_sent=5 * 2**20)
+    sample(decode_rank, now, 10, 1000, 600)  # the prefill side's hits, reported again
+    RankSample.objects.filter(rank=decode_rank).update(
+        kv_blocks_pulled=40, kv_bytes_pulled=4 * 2**20
+    )
+    router.stats.dispatched(f"{roles['prefill']}@0", 1000, 600)
+    router.stats.dispatched(f"{roles['decode']}@0", 1000, 200)  # held before its pulls
+    snap = build_snapshot(router)
+    rows = {w["role"]: w["ranks"][0] for w in snap["workers"]}
+    assert rows["decode"]["role"] == "decode" and rows["decode"]["kv_bytes_pulled"] == 4 * 2**20
+    assert rows["decode"]["kv_blocks_pulled"] == 40
+    assert rows["prefill"]["kv_bytes_sent"] == 5 * 2**20
+    fleet = snap["fleet"]
+    assert (fleet["requests"], fleet["prompt_tokens"], fleet["engine_prompt_tokens"]) == (
+        1, 1000, 1000)  # fmt: skip
+    assert fleet["engine_hit_rate"] == 0.6 and fleet["router_hit_rate"] == 0.6
+    assert fleet["kv_bytes_pulled"] == 4 * 2**20
+
+
 def test_each_rank_says_whether_its_index_is_precise_and_why_not(router):
     """The flag /metrics carries (dpmesh_router_kv_events_precise) is on the dashboard too."""
     from apps.routing.feeds.kv_events import KVEventsFeed
@@ -188,6 +222,19 @@ vllm:prefix_cache_hits_total{engine="0",model_name="m"} 120.0
 vllm:request_success_total{engine="0",finished_reason="stop",model_name="m"} 3.0
 vllm:request_success_total{engine="0",finished_reason="length",model_name="m"} 2.0
 """
+
+
+def test_engine_metrics_parse_the_kv_a_pd_rank_moved():
+    text = """# TYPE dpmesh_engine_kv_transfer_blocks_pulled counter
+dpmesh_engine_kv_transfer_blocks_pulled_total{rank="1"} 12.0
+# TYPE dpmesh_engine_kv_transfer_bytes_pulled counter
+dpmesh_engine_kv_transfer_bytes_pulled_total{rank="1"} 786432.0
+# TYPE dpmesh_engine_kv_transfer_bytes_sent counter
+dpmesh_engine_kv_transfer_bytes_sent_total{rank="0"} 65536.0
+"""
+    parsed = replica_jobs.parse_engine_metrics(text)
+    assert parsed[1] == {"kv_blocks_pulled": 12.0, "kv_bytes_pulled": 786432.0}
+    assert parsed[0] == {"kv_bytes_sent": 65536.0}
 
 
 def test_engine_metrics_parse_ours_and_vllms():

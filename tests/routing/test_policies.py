@@ -9,9 +9,16 @@ import random
 import pytest
 
 from apps.routing.decision.load import SESSION_HALF_LIFE_S
-from apps.routing.decision.policies import CacheAware, PowerOfTwo, Random, RoundRobin, make_policy
+from apps.routing.decision.policies import (
+    CacheAware,
+    DecodeLeg,
+    PowerOfTwo,
+    Random,
+    RoundRobin,
+    make_policy,
+)
 from apps.routing.decision.request_shape import RequestShape
-from tests.routing.helpers import Clock, targets
+from tests.routing.helpers import Clock, targets, worker_view
 
 B = 16
 
@@ -519,3 +526,45 @@ def test_among_a_prefix_s_holders_the_volume_term_pulls_to_the_least_loaded():
     assert policy.choose([a, b, other], s, matched) is b
     # the same prefix on ``a`` alone: no volume term
     assert policy.costs([a, b, other], s, {a.key: 4}) == pytest.approx([576 + 16, 720, 720])
+
+
+# ----- the decode leg of a prefill/decode-disaggregated request -----------------------------------
+def test_the_decode_leg_goes_where_the_load_is_least_whatever_it_holds():
+    """Its prompt is computed: a decode rank holding all of it but running two more requests
+    loses to an idle one that must pull it (a pull is a one-off; a seat is every step)."""
+    policy = DecodeLeg(rng=random.Random(0))
+    ts = targets(3)
+    for _ in range(2):
+        ts[0].load.begin(100, 0)
+    ts[1].load.begin(100, 0)
+    s = shape(4096)
+    assert policy.choose(ts, s, {ts[0].key: 256}) is ts[2]
+
+
+def test_among_near_ties_the_decode_leg_pulls_least():
+    policy = DecodeLeg(rng=random.Random(0))
+    ts = targets(4)
+    for t in ts:
+        t.load.begin(100, 0)
+    s = shape(1024)
+    assert policy.choose(ts, s, {ts[1].key: 20, ts[3].key: 40}) is ts[3]
+    # a long context in flight weighs like a seat: 64 k tokens on ts[3] is two seats
+    ts[3].load.begin(64 * 1024, 0)
+    ts[3].load.end(ts[3].load.begin(1, 0))
+    assert policy.choose(ts, s, {ts[1].key: 20, ts[3].key: 40}) is ts[1]
+
+
+def test_a_pd_router_routes_the_decode_leg_by_load_and_the_prefill_leg_by_cache():
+    from apps.routing.decision.router import Router
+
+    router = Router()
+    for worker_id, role in ((1, "prefill"), (2, "decode")):
+        router.fleet.put(worker_view(worker_id, dp_size=2, role=role), {0: None, 1: None})
+    body = {"prompt": list(range(1000, 1000 + 64 * B))}
+    first = router.route(body, False, None, role="prefill")
+    again = router.route(body, False, None, role="prefill")
+    assert again.target.key == first.target.key  # the prefix's home, busy or not
+    d1 = router.route(body, False, None, role="decode")
+    d2 = router.route(body, False, None, role="decode")
+    assert {d1.target.worker.role, d2.target.worker.role} == {"decode"}
+    assert d1.target.key != d2.target.key  # the first holds it now, but a seat outweighs a pull

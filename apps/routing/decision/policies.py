@@ -270,6 +270,56 @@ class CacheAware(Policy):
         )
 
 
+class DecodeLeg:
+    """The decode leg of a prefill/decode-disaggregated request (``Router.route(role="decode")``
+    under cache_aware): its prompt is computed already, on the prefill side. On a decode rank it
+    costs a pull of the prompt's blocks the rank lacks (the transfer: ~0.1x of computing them on
+    the GPU profiles, a one-off) and a seat in every decode step until it ends (its batch share,
+    for the whole answer). So load decides, and the transfer decides among near ties:
+
+    load(t) = requests running on t + their context tokens / ``context_tokens_per_seat``
+              + the prompt tokens t would pull / ``transfer_tokens_per_seat``
+
+    The least loaded wins; among those within ``slack`` seats of it, the one holding most of the
+    prompt (least to pull), then fewer requests lately, then chance. Balance over decode ranks is
+    what keeps time per output token even (docs/routing.md, "The decode leg")."""
+
+    name = "decode_leg"
+
+    def __init__(self, rng=None, context_tokens_per_seat: float = 32768.0,
+                 transfer_tokens_per_seat: float = 65536.0, slack: float = 0.5):  # fmt: skip
+        self.rng = rng or random.Random()
+        self.context_tokens_per_seat = context_tokens_per_seat
+        self.transfer_tokens_per_seat = transfer_tokens_per_seat
+        self.slack = slack
+
+    def costs(self, targets, shape, matched) -> list[float]:
+        return [
+            t.load.inflight
+            + t.load.inflight_tokens / self.context_tokens_per_seat
+            + (shape.prompt_tokens - self.hit(t, shape, matched)) / self.transfer_tokens_per_seat
+            for t in targets
+        ]
+
+    @staticmethod
+    def hit(target, shape, matched) -> int:
+        return min(matched.get(target.key, 0), shape.hittable_blocks) * shape.block_tokens
+
+    def choose(self, targets, shape, matched, shared_blocks=0):
+        costs = self.costs(targets, shape, matched)
+        best = min(costs)
+        near = [t for c, t in zip(costs, targets, strict=True) if c <= best + self.slack]
+        return min(
+            near,
+            key=lambda t: (
+                -self.hit(t, shape, matched),
+                t.load.inflight,
+                t.load.recent_requests(),
+                self.rng.random(),
+            ),
+        )
+
+
 # The one list of policy names: argparse choices, the RoutingSettings model's choices and the
 # settings' validation are derived from it.
 POLICIES = {cls.name: cls for cls in (CacheAware, RoundRobin, Random, PowerOfTwo)}

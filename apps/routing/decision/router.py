@@ -20,7 +20,7 @@ from apps.routing.decision.demand import PrefixDemand, ServedVolume
 from apps.routing.decision.dispatch import Dispatch, DispatchObserver
 from apps.routing.decision.fleet import Fleet, Target, WorkerView
 from apps.routing.decision.index import PrefixIndex
-from apps.routing.decision.policies import Policy, make_policy
+from apps.routing.decision.policies import DecodeLeg, Policy, make_policy
 from apps.routing.decision.request_shape import RequestShape, shape_request
 from apps.routing.decision.router_stats import RouterStats
 from apps.routing.decision.sessions import SessionTable
@@ -60,6 +60,7 @@ class Router:
             )
             if name
         }
+        self.decode_leg = DecodeLeg(rng=self.rng)  # cache_aware's decode leg (policies.py)
         # told of every decision and prefill end (apps/routing/feeds/shared_index.py, kv_events.py)
         self.observers: list[DispatchObserver] = []
 
@@ -111,6 +112,8 @@ class Router:
                 f"no available {which} serves model {model!r}" if model else f"no available {which}"
             )
         policy = self.role_policies.get(role, self.policy) if role else self.policy
+        if role == "decode" and policy.name == "cache_aware":
+            policy = self.decode_leg  # the prompt is computed: load decides, transfer breaks ties
         shapes, matched, shared = self._match(body, chat, candidates, ids_by_path)
         primary = shapes[candidates[0].key]
         # how hot the shared prefix is (counting this request): the policy copies only a hot one
@@ -118,7 +121,7 @@ class Router:
         self.demand.add(prefix)
         primary.prefix_share = self.demand.share(prefix) if prefix is not None else None
         primary.volume_excess = self.volume.excess([t.key for t in candidates])
-        if not any(t.load.inflight for t in candidates):
+        if role != "decode" and not any(t.load.inflight for t in candidates):
             # an idle fleet: the rank used last keeps the ties while the request fits its cache
             primary.warm = frozenset(
                 k

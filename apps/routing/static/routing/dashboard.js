@@ -29,6 +29,8 @@
   const fmtInt = (v) => (isNum(v) ? String(Math.round(v)) : DASH);
   const fmtPct = (v) => (isNum(v) ? (v * 100).toFixed(1) + "%" : DASH);
   const fmtFixed = (v, digits) => (isNum(v) ? v.toFixed(digits) : DASH);
+  /** Bytes in MiB with one decimal (KV moved between prefill and decode ranks). */
+  const fmtMiB = (v) => (isNum(v) ? (v / 1048576).toFixed(1) + " MiB" : DASH);
 
   /** A fraction difference as signed percentage points: 0.012 -> "+1.2 pp". */
   function fmtGap(v) {
@@ -103,7 +105,7 @@
     const fmt = {
       requests: fmtInt, prompt_tokens: fmtInt, inflight_requests: fmtInt,
       engine_hit_rate: fmtPct, router_hit_rate: fmtPct,
-      requests_per_s: (v) => fmtFixed(v, 2),
+      requests_per_s: (v) => fmtFixed(v, 2), kv_bytes_pulled: fmtMiB,
       queue_depth: (v) => fmtInt(v) + queueState,
     };
     for (const node of document.querySelectorAll("#fleet [data-fleet]")) {
@@ -175,6 +177,7 @@
     ["inflight_requests", fmtInt, "num"],
     ["inflight_tokens", fmtInt, "num"],
     ["kv_blocks", null, "num"],
+    ["kv_moved", null, "num engine"],
     ["health", null, "left"],
     ["circuit", null, "left"],
     ["index", null, "left"],
@@ -243,6 +246,13 @@
 
     const used = r.kv_blocks_used, total = r.kv_blocks_total;
     setText(c.kv_blocks, used == null && total == null ? DASH : `${fmtInt(used)} / ${fmtInt(total)}`);
+
+    // prefill/decode disaggregation: what a decode rank pulled, a prefill rank sent; on a decode
+    // rank the router columns say how much of each prompt the index expected it to hold already
+    // (transfer the routing saved), the engine columns the prefill side's cache hits
+    const moved = r.role === "decode" ? r.kv_bytes_pulled : r.role === "prefill" ? r.kv_bytes_sent : null;
+    setText(c.kv_moved, r.role ? `${r.role === "decode" ? "pulled" : "sent"} ${fmtMiB(moved)}` : DASH);
+    c.kv_moved.title = r.role === "decode" ? `${fmtInt(r.kv_blocks_pulled)} blocks pulled from prefill ranks` : "";
 
     // A rank-level health, if the backend ever sends one, wins over the worker's.
     const health = r.health || w.health || "unknown";
