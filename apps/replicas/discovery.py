@@ -48,7 +48,10 @@ async def fetch_server_info(url: str, api_key: str = "", timeout_s: float = 10.0
             if status == 200:
                 if not isinstance(body, dict):
                     raise DiscoveryError(f"GET {url}{path} answered no JSON object: {text[:200]}")
-                return _described(body, flavour or _server_info_flavour(body), path)
+                info = _described(body, flavour or _server_info_flavour(body), path)
+                if info["flavour"] == "atom":
+                    await _add_kv_transfer_info(url, info, api_key, timeout_s)
+                return info
             if status != 404:
                 raise DiscoveryError(f"GET {url}{path} answered {status}: {text[:200]}")
         status, body, _ = await http.get_json(
@@ -83,6 +86,18 @@ def _described(info: dict, flavour: str, path: str) -> dict:
         k for k in ("dp_size", "block_size", "num_kv_blocks_per_rank", "model_path") if k in info
     ]
     return {**info, "flavour": flavour, "sources": dict.fromkeys(facts, path)}
+
+
+async def _add_kv_transfer_info(url: str, info: dict, api_key: str, timeout_s: float) -> None:
+    """ATOM's PD worker says its parallel layout on ``/kv_transfer_info`` (its ``tp_size`` and
+    ``dp_size`` go with each decode leg: proxy/wire.py ``decode_kv_transfer_params``); an ATOM
+    server without PD has none, and that is no error."""
+    status, body, _ = await http.get_json(
+        url + "/kv_transfer_info", api_key=api_key, timeout_s=timeout_s
+    )
+    if status == 200 and isinstance(body, dict):
+        info["kv_transfer_info"] = body
+        info["sources"]["kv_transfer_info"] = "/kv_transfer_info"
 
 
 # ----- vLLM: what its /metrics, /v1/models and /kv_event_sources say ------------------------------

@@ -51,6 +51,9 @@ def view_of(worker, tokenizer_path: str | None = None) -> WorkerView:
         bootstrap_port=_positive_int(
             info.get("bootstrap_port") or info.get("disaggregation_bootstrap_port")
         ),
+        tp_size=_positive_int(
+            info.get("tp_size") or (info.get("kv_transfer_info") or {}).get("tp_size")
+        ),
     )
 
 

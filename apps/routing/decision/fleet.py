@@ -48,6 +48,7 @@ class WorkerView:
     # /server_info or its registration; a prefill worker's bootstrap port (SGLang's protocol)
     role: str | None = None
     bootstrap_port: int | None = None
+    tp_size: int | None = None  # ATOM's prefill worker: its /kv_transfer_info (the decode leg)
     # vLLM: one ZMQ endpoint per rank for its KV events (apps/routing/feeds/vllm_events.py)
     zmq_kv_events: tuple[str, ...] = ()
     # and its replay sockets, one per rank (None: that rank has none), when it has them

@@ -10,8 +10,9 @@ session keeps both legs where they were (one session entry per role). Then, by p
 
 - vLLM's two steps (vLLM, ATOM, ours): the prefill leg with ``max_tokens: 1`` and
   ``kv_transfer_params.do_remote_decode``, not streamed; its answer's ``kv_transfer_params``
-  go with the decode leg, whose answer is the client's (relayed as any answer:
-  upstream._attempt).
+  go with the decode leg (for ATOM with the prefill side's ``remote_dp_size``, ``remote_tp_size``
+  and ``remote_dp_rank``: wire.decode_kv_transfer_params), whose answer is the client's (relayed
+  as any answer: upstream._attempt).
 - SGLang's one step: both legs at once with ``bootstrap_host`` / ``bootstrap_port`` /
   ``bootstrap_room``, the room chosen so that ``room % dp_size`` is the chosen prefill rank (which
   the prefill leg also names as its rank), ``disagg_prefill_dp_rank`` telling the decode side.
@@ -132,7 +133,10 @@ async def _two_step(router, legs: Legs, prefill, body, path, send, since):
         await _error(send, 502, message)
         return
     extra = [(PREFILL_HEADER, dispatch.target.key.encode())]
-    decode_body = {**body, wire.KV_TRANSFER_PARAMS: params}
+    decode_body = {
+        **body,
+        wire.KV_TRANSFER_PARAMS: wire.decode_kv_transfer_params(params, dispatch.target),
+    }
     cached = wire.cached_tokens_of(answer)
     while True:
         try:

@@ -116,6 +116,23 @@ def vllm_prefill_body(body: dict) -> dict:
     return out
 
 
+def decode_kv_transfer_params(params: dict, prefill_target) -> dict:
+    """The ``kv_transfer_params`` the decode leg carries: the prefill leg's answer, and for ATOM
+    the prefill side's layout its decode worker needs to find the KV (``remote_dp_size``,
+    ``remote_tp_size`` from the prefill worker's /kv_transfer_info, ``remote_dp_rank`` the rank
+    chosen), where the answer does not say them itself."""
+    worker = prefill_target.worker
+    if worker.flavour != "atom":
+        return params
+    out = dict(params)
+    if prefill_target.rank is not None:
+        out.setdefault("remote_dp_rank", prefill_target.rank)
+    out.setdefault("remote_dp_size", worker.dp_size)
+    if worker.tp_size:
+        out.setdefault("remote_tp_size", worker.tp_size)
+    return out
+
+
 def cached_tokens_of(answer: dict) -> int | None:
     usage = answer.get("usage")
     details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
