@@ -24,7 +24,8 @@ def test_a_body_with_a_non_json_constant_is_a_400(constant):
     "prompt", ["plain", 'café 東京 🙂 "quoted" \\ back\nslash', "lone \ud800 surrogate"]
 )
 def test_the_upstream_body_is_the_clients_plus_the_routers_fields(prompt):
-    dispatch = SimpleNamespace(target=SimpleNamespace(rank=3))
+    worker = SimpleNamespace(rank_fields=("data_parallel_rank",))
+    dispatch = SimpleNamespace(target=SimpleNamespace(rank=3, worker=worker))
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 2**70, "dpmesh_prompt_token_ids": [9]}
     out = json.loads(upstream_payload(body, dispatch, stream=True, ids=[1, 2, 3]))
     assert out == {
@@ -35,6 +36,31 @@ def test_the_upstream_body_is_the_clients_plus_the_routers_fields(prompt):
         "data_parallel_rank": 3,
         "stream_options": {"include_usage": True},
     }
+
+
+@pytest.mark.parametrize(
+    "flavour, version, fields",
+    [
+        ("sglang", "0.5.19", {"routed_dp_rank"}),
+        ("sglang", "v0.5.9.post1", {"routed_dp_rank"}),
+        ("sglang", "0.5.8", {"data_parallel_rank"}),
+        ("sglang", "0.4.10rc1", {"data_parallel_rank"}),
+        ("sglang", None, {"routed_dp_rank", "data_parallel_rank"}),  # unknown: both, same rank
+        ("vllm", "0.32.0", {"data_parallel_rank"}),
+        ("dpmesh", None, {"data_parallel_rank"}),
+        ("atom", None, {"data_parallel_rank"}),
+    ],
+)
+def test_the_rank_goes_in_the_field_each_flavour_and_release_reads(flavour, version, fields):
+    """SGLang renamed its field (sglang#19268, in 0.5.9); the client's own pin fields, whatever
+    their name, are replaced by the router's choice."""
+    from apps.routing.records import rank_fields
+
+    worker = SimpleNamespace(rank_fields=rank_fields(flavour, version))
+    dispatch = SimpleNamespace(target=SimpleNamespace(rank=2, worker=worker))
+    body = {"prompt": "x", "routed_dp_rank": 0, "data_parallel_rank": 1, "data-parallel-rank": 1}
+    out = json.loads(upstream_payload(body, dispatch, stream=False))
+    assert {k: v for k, v in out.items() if k != "prompt"} == dict.fromkeys(fields, 2)
 
 
 def test_chained_digests_are_block_digests_chained():

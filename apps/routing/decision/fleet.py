@@ -49,6 +49,8 @@ class WorkerView:
     role: str | None = None
     bootstrap_port: int | None = None
     tp_size: int | None = None  # ATOM's prefill worker: its /kv_transfer_info (the decode leg)
+    # the body fields the chosen rank goes in (proxy/wire.py ``rank_fields``: by flavour/version)
+    rank_fields: tuple[str, ...] = ("data_parallel_rank",)
     # vLLM: one ZMQ endpoint per rank for its KV events (apps/routing/feeds/vllm_events.py)
     zmq_kv_events: tuple[str, ...] = ()
     # and its replay sockets, one per rank (None: that rank has none), when it has them

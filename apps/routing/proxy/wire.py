@@ -1,7 +1,8 @@
 """What each engine flavour wants on the wire, and what comes back, in one place.
 
-- The rank: ``data_parallel_rank`` in the JSON body (ours, ATOM's and SGLang's field) and the
-  ``X-data-parallel-rank`` header (the only place vLLM reads it); both go to every flavour.
+- The rank: in the JSON body (``data_parallel_rank``: ours and ATOM's; SGLang's
+  ``routed_dp_rank`` from 0.5.9, its old name before: ``WorkerView.rank_fields``) and in the
+  ``X-data-parallel-rank`` header (the only place vLLM reads it), sent to every flavour.
 - The prompt's token ids beside its text (``PRETOKENIZED``), to our own engine only and only
   when made with the engine's own tokenizer: the engine then skips its encoding.
 - Streams always ask the engine for usage (``stream_options.include_usage``): the router needs
@@ -47,9 +48,10 @@ def upstream_payload(
     if ids is not None:
         payload[PRETOKENIZED] = ids
     if dispatch.target.rank is not None:
-        payload.pop("data-parallel-rank", None)
-        payload.pop("routed_dp_rank", None)  # the router's choice is the one the engine reads
-        payload["data_parallel_rank"] = dispatch.target.rank
+        for field in ("data-parallel-rank", "data_parallel_rank", "routed_dp_rank"):
+            payload.pop(field, None)  # the router's choice is the one the engine reads
+        for field in dispatch.target.worker.rank_fields:  # by flavour and version (records.py)
+            payload[field] = dispatch.target.rank
     if stream:
         payload["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
     try:  # msgspec: 0.3 ms for a 100 k-character prompt and its ids, where json takes 8
