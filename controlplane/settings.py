@@ -151,6 +151,9 @@ CONTROL_PLANE = namespaced_settings(
         "SHARE_INDEX": True,
         # Follow the KV events of engines that publish them (ours: GET /kv_events) into the index.
         "KV_EVENTS": True,
+        # At discovery, check per path that a dp-aware worker serves a pinned request on that rank
+        # (apps/replicas/pin_check.py: one 1-token request per rank and path).
+        "PIN_CHECK": True,
         # Admission control per router process (apps/routing/proxy/admission.py; runrouter's flags
         # of the same names win): 0 = no concurrency limit / saturation rule off. smg's queue
         # defaults.

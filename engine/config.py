@@ -51,6 +51,9 @@ class EngineConfig:
     disaggregation_mode: str | None = None
     kv_transfer_host: str = "127.0.0.1"  # where a prefill rank listens for pulls
     kv_transfer_timeout_s: float = 480.0  # a held prefill not pulled by then is released
+    # for testing a router's pin check: these paths serve requests as if no rank was asked for
+    # (as SGLang 0.5.19's /v1/responses does: sglang#38729)
+    debug_ignore_rank_paths: tuple[str, ...] = ()
 
     DEFAULT_KV_MEMORY = 256 * 1024 * 1024
 

@@ -210,14 +210,21 @@ class LLMEngine:
             self.release_held(key)
         return expired
 
-    def import_prefix(self, prompt_ids: list[int], first: int, data: bytes, count: int) -> int:
+    def import_prefix(
+        self,
+        prompt_ids: list[int],
+        first: int,
+        data: bytes,
+        count: int,
+        params: SamplingParams | None = None,
+    ) -> int:
         """Cache full blocks ``first .. first + count`` of ``prompt_ids`` from KV computed by
         another engine (``data``: ``runner.export_blocks``' bytes), kept as cached blocks so the
-        request that follows hits them like any prefix. Blocks ``0 .. first`` are those found
-        cached here when the pull began; they are pinned meanwhile, and if some were evicted
-        since, the chain is cut there and the request recomputes from the gap. Returns the
-        blocks imported."""
-        seq = Sequence(prompt_ids, SamplingParams(), block_size=self.config.block_size)
+        request that follows hits them like any prefix (``params``: the request's, whose
+        ``cache_salt`` keys the blocks). Blocks ``0 .. first`` are those found cached here when
+        the pull began; they are pinned meanwhile, and if some were evicted since, the chain is
+        cut there and the request recomputes from the gap. Returns the blocks imported."""
+        seq = Sequence(prompt_ids, params or SamplingParams(), block_size=self.config.block_size)
         manager = self.block_manager
         local = manager.cached_prefix(seq, first)
         manager.pin(local)

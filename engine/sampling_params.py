@@ -21,6 +21,9 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # the tenant's prefix-cache key (vLLM's ``cache_salt``): its blocks chain on
+    # ``digests.namespace(cache_salt)``, so only requests with the same salt share them
+    cache_salt: str | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -46,6 +49,10 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
             raise ValueError(f"top_k must be an integer >= -1, got {self.top_k!r}")
+        if self.cache_salt is not None and not (
+            isinstance(self.cache_salt, str) and self.cache_salt
+        ):
+            raise ValueError(f"cache_salt must be a non-empty string, got {self.cache_salt!r}")
         if self.seed is not None and (
             isinstance(self.seed, bool) or not isinstance(self.seed, int)
         ):

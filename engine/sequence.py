@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import itertools
 
-from engine.digests import block_digest
+from engine.digests import block_digest, namespace
 from engine.sampling_params import SamplingParams
 
 
@@ -42,6 +42,7 @@ class Sequence:
         self.num_preemptions = 0
         self.finish_reason: str | None = None
         self._digests: list[int] = []
+        self.namespace = namespace(params.cache_salt)  # the first block's parent (its tenant)
 
     def __repr__(self):
         return (
@@ -74,7 +75,7 @@ class Sequence:
         full)."""
         while len(self._digests) <= i:
             j = len(self._digests)
-            parent = self._digests[j - 1] if j else None
+            parent = self._digests[j - 1] if j else self.namespace
             self._digests.append(block_digest(parent, self.block_tokens(j)))
         return self._digests[i]
 

@@ -163,7 +163,9 @@ def _int(value) -> int | None:
 
 
 # live state in our engine's /server_info (pids, requests in flight), and what discovery adds
-VOLATILE_KEYS = ("ranks", "flavour", "sources")
+# (``pin_check`` is the router's own probe, apps/replicas/pin_check.py: run again when the rest
+# changed)
+VOLATILE_KEYS = ("ranks", "flavour", "sources", "pin_check")
 
 
 def stable_info(info: dict) -> dict:

@@ -27,6 +27,7 @@ from apps.replicas.discovery import (
     stable_info,
 )
 from apps.replicas.models import RankSample, Worker, WorkerEvent
+from apps.replicas.pin_check import check_pins
 from apps.replicas.services import save_worker
 from controlplane import http
 
@@ -210,6 +211,8 @@ def refresh_discovery(timeout: float = 10.0) -> dict[str, int]:
         checked += 1
         if stable_info(info) == stable_info(worker.server_info):
             continue
+        if worker.dp_aware and settings.CONTROL_PLANE["PIN_CHECK"]:  # rediscovered: ask again
+            info["pin_check"] = http.run(check_pins, worker.url, info, worker.api_key)
         try:
             save_worker(url=worker.url, api_key=worker.api_key, dp_aware=worker.dp_aware, info=info)
         except DiscoveryError:  # an invalid dp_size: keep what we had

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 
 from asgiref.sync import sync_to_async
+from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
@@ -23,6 +24,7 @@ from apps.replicas.discovery import (
     role_of,
 )
 from apps.replicas.models import Rank, Worker, WorkerEvent
+from apps.replicas.pin_check import check_pins
 from apps.replicas.runtime import FleetRuntime
 
 logger = logging.getLogger(__name__)
@@ -128,6 +130,8 @@ async def worker_add(
     try:
         info = await fetch_server_info(url, api_key)
         dp_size_of(info)
+        if dp_aware and settings.CONTROL_PLANE["PIN_CHECK"]:
+            info["pin_check"] = await check_pins(url, info, api_key)
     except DiscoveryError as exc:
         if strict:
             raise
@@ -229,6 +233,12 @@ def worker_as_dict(worker: Worker, runtime: FleetRuntime | None = None) -> dict:
         "flavour": (worker.server_info or {}).get("flavour"),
         # prefill/decode disaggregation: "prefill", "decode" or None (both in one)
         "role": role_of(effective_info(worker.server_info, worker.overrides)),
+        # per path, whether it serves a pinned request on that rank (apps/replicas/pin_check.py;
+        # null: not known); where not, the router does not believe its placement there
+        "pins": {
+            path: result.get("honoured")
+            for path, result in ((worker.server_info or {}).get("pin_check") or {}).items()
+        },
         "server_info": worker.server_info,
         "overrides": worker.overrides,
         "sources": effective_info(worker.server_info, worker.overrides).get("sources", {}),

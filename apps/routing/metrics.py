@@ -92,6 +92,7 @@ class RouterCollector:
         yield from self._target_gauges(targets, _LOAD_GAUGES)
         yield from self._target_gauges(targets, _STATE_GAUGES)
         yield _role_family(targets)
+        yield _pin_family(self.router)
         yield from self._response_families()
         yield _policy_info(self.router)
         yield from self._observer_families()
@@ -227,6 +228,21 @@ def _tokenizer_families():
         "Prefix token caches turned off: a chunked encode differed from the whole text's",
         value=counts["mismatches"],
     )
+
+
+def _pin_family(router) -> GaugeMetricFamily:
+    """Per worker and path, whether the worker honours the rank pin there (apps/replicas/
+    pin_check.py): 1 honoured, 0 dropped (routed without predicted hits); not checked: absent."""
+    family = GaugeMetricFamily(
+        f"{PREFIX}_pin_honoured",
+        "1 where the worker serves a request on the DP rank the router pinned, 0 where it drops "
+        "the pin on that path (its requests there are routed without predicted hits)",
+        labels=["worker", "path"],
+    )
+    for view in router.fleet.workers.values():
+        for path, honoured in view.pin_check.items():
+            family.add_metric([view.url, path], float(honoured))
+    return family
 
 
 def _role_family(targets) -> GaugeMetricFamily:

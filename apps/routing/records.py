@@ -52,6 +52,11 @@ def view_of(worker, tokenizer_path: str | None = None) -> WorkerView:
             info.get("bootstrap_port") or info.get("disaggregation_bootstrap_port")
         ),
         rank_fields=rank_fields(info.get("flavour") or "dpmesh", info.get("version")),
+        pin_check={
+            path: result["honoured"]
+            for path, result in (info.get("pin_check") or {}).items()
+            if isinstance(result, dict) and isinstance(result.get("honoured"), bool)
+        },
         tp_size=_positive_int(
             info.get("tp_size") or (info.get("kv_transfer_info") or {}).get("tp_size")
         ),

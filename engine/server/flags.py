@@ -172,6 +172,14 @@ def _add_operations(parser: argparse.ArgumentParser) -> None:
         help="a prefill's KV not pulled within this is released (vLLM's default wait)",
     )
     parser.add_argument(
+        "--debug-ignore-rank-on",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="for testing a router's pin check: requests on PATH (e.g. /v1/chat/completions) go "
+        "to the rank the engine picks, whatever rank they ask for, as some engines' paths do",
+    )
+    parser.add_argument(
         "--drain-timeout-secs",
         type=float,
         default=25.0,
@@ -260,6 +268,7 @@ def engine_config(args, model_path: str):
         ),
         kv_transfer_host=kv_transfer_host(args),
         kv_transfer_timeout_s=args.kv_transfer_timeout_secs,
+        debug_ignore_rank_paths=tuple(args.debug_ignore_rank_on),
     )
 
 

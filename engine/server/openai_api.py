@@ -86,6 +86,9 @@ def sampling_params(body: dict, default_max_tokens: int) -> SamplingParams:
             [],
         ),
         ignore_eos=_opt(body, "ignore_eos", lambda v: isinstance(v, bool), "a boolean", False),
+        cache_salt=_opt(
+            body, "cache_salt", lambda v: isinstance(v, str) and v != "", "a non-empty string"
+        ),
     )
 
 

@@ -180,7 +180,9 @@ class RankLoop:
                 self.moved.blocks_pulled += count
                 self.moved.bytes_pulled += len(data)
                 self.moved.pull_seconds += seconds
-                got = self.engine.import_prefix(msg.prompt_token_ids, first, data, count)
+                got = self.engine.import_prefix(
+                    msg.prompt_token_ids, first, data, count, msg.params
+                )
                 logger.info(
                     "KV pulled for %s: %d blocks (%d cached here), %.1f MiB in %.1f ms%s",
                     msg.request_id,

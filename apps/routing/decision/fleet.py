@@ -49,6 +49,9 @@ class WorkerView:
     role: str | None = None
     bootstrap_port: int | None = None
     tp_size: int | None = None  # ATOM's prefill worker: its /kv_transfer_info (the decode leg)
+    # per path, whether the worker serves a pinned request on that rank (apps/replicas/
+    # pin_check.py; a path not checked is absent): where it does not, placement is not believed
+    pin_check: dict[str, bool] = field(default_factory=dict)
     # the body fields the chosen rank goes in (proxy/wire.py ``rank_fields``: by flavour/version)
     rank_fields: tuple[str, ...] = ("data_parallel_rank",)
     # vLLM: one ZMQ endpoint per rank for its KV events (apps/routing/feeds/vllm_events.py)

@@ -18,7 +18,7 @@ import os
 
 import xxhash
 
-from engine.digests import chain_digests
+from engine.digests import chain_digests, namespace
 from engine.tokenize_cache import TooManyTokens, encode_text
 from serving.openai_fields import OFF_LOOP_CHARS, prompt_text_chars
 
@@ -115,8 +115,16 @@ def routing_text(body: dict, chat: bool) -> str:
     return prompt if isinstance(prompt, str) else str(prompt)
 
 
-def text_digests(text: str) -> list[int]:
-    digests, parent = [], b""
+def tenant_namespace(body: dict) -> int | None:
+    """The parent of the prompt's first block for the request's tenant (engine/digests.py
+    ``namespace``): its ``cache_salt`` (vLLM's and our engine's key). A malformed salt routes as
+    none: the engine answers it with a 400."""
+    salt = body.get("cache_salt")
+    return namespace(salt) if isinstance(salt, str) and salt else None
+
+
+def text_digests(text: str, parent: int | None = None) -> list[int]:
+    digests, parent = [], b"" if parent is None else parent.to_bytes(8, "little")
     data = text.encode()
     for start in range(0, len(data) - CHUNK_CHARS + 1, CHUNK_CHARS):
         value = xxhash.xxh64_intdigest(parent + data[start : start + CHUNK_CHARS])
@@ -202,8 +210,9 @@ def shape_request(
         else:
             ids = prompt_token_ids(body, chat, tokenizer)
         if ids is not None:
-            return RequestShape(chain_digests(ids, block_size), len(ids), block_size, chat)
+            digests = chain_digests(ids, block_size, tenant_namespace(body))
+            return RequestShape(digests, len(ids), block_size, chat)
     text = routing_text(body, chat)
     # ~4 characters a token: good enough to weigh the work of a foreign engine's request
-    digests = text_digests(text[: 4 * ROUTING_TOKEN_CAP])
+    digests = text_digests(text[: 4 * ROUTING_TOKEN_CAP], tenant_namespace(body))
     return RequestShape(digests, max(1, len(text) // 4), CHUNK_CHARS // 4, chat)

@@ -90,6 +90,7 @@ class Router:
         session: str | None = None,
         ids_by_path: dict[str, list[int] | None] | None = None,
         role: str | None = None,
+        path: str | None = None,
     ) -> Dispatch:
         """Choose a target and commit: begin its load, insert the request's blocks into the index
         for it (the engine caches them as it prefills), tell the observers. The returned dispatch
@@ -97,7 +98,10 @@ class Router:
         ``session``: the client's session id (apps/routing/decision/sessions.py), kept on its rank;
         ``ids_by_path``: the prompt's token ids per tokenizer path, when already computed
         (``tokenizer_paths`` and request_shape.tokenize_off_loop); ``role``: one leg of a
-        prefill/decode-disaggregated request, among the workers of that role, by its policy."""
+        prefill/decode-disaggregated request, among the workers of that role, by its policy;
+        ``path``: the OpenAI path it goes to (default by ``chat``): where the chosen worker drops
+        the rank pin (``WorkerView.pin_check``), the placement is not believed: no hit is
+        predicted and the index learns nothing from it."""
 
         def allowed(t: Target) -> bool:
             return t.key not in exclude and (rank is None or t.rank == rank)
@@ -135,7 +139,11 @@ class Router:
         if session:
             self.sessions.record(session, target.key, kept=home is not None)
         shape = shapes[target.key]
-        predicted = self._cached_tokens(target, shape, matched, primary)
+        path = path or ("/v1/chat/completions" if chat else "/v1/completions")
+        placed = target.rank is None or target.worker.pin_check.get(path, True)
+        predicted = self._cached_tokens(target, shape, matched, primary) if placed else 0
+        if not placed:  # the engine picks the rank: its blocks are nowhere the index could say
+            shape = RequestShape([], shape.prompt_tokens, shape.block_tokens, shape.chat)
         # A session's turn: its private history is already there (it continues), or a chat request
         # with none anywhere (a conversation starts here and its next turns will follow). Counting
         # starts at once matters: a burst of new conversations is placed before any of them has a

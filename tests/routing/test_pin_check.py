@@ -1,0 +1,60 @@
+"""The pin check (apps/replicas/pin_check.py): a real engine of ours that drops the rank pin on
+one path (``--debug-ignore-rank-on``, as SGLang 0.5.19 does on /v1/responses) behind a real
+router. Discovery finds exactly that path; /workers and /metrics say so; requests there are
+routed without a predicted hit, while the other path keeps its hits."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from harness.procs import start_engine, wait_for
+from tests.support.router_checks import counter, start_router
+
+pytestmark = pytest.mark.slow
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pins")
+    with start_engine(tmp, "--dp-size", "2", "--debug-ignore-rank-on", CHAT) as engine:
+        with start_router(tmp, [engine.url], "router") as router:
+            workers = lambda: httpx.get(router.url + "/workers", timeout=10).json()["workers"]  # noqa: E731
+            assert wait_for(lambda: workers() and workers()[0]["pins"], timeout=60)
+            yield engine, router
+
+
+def predicted_after(url: str, path: str, body: dict) -> tuple[float, int]:
+    """(the router's predicted cached tokens, the engine's reported ones) for one request."""
+    name = "dpmesh_router_predicted_cached_tokens_total"
+    before = counter(url, name)
+    r = httpx.post(url + path, json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return counter(url, name) - before, r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_the_path_that_drops_the_pin_is_found_and_shown(fleet):
+    engine, router = fleet
+    (worker,) = httpx.get(router.url + "/workers", timeout=10).json()["workers"]
+    assert worker["pins"] == {COMPLETIONS: True, CHAT: False}
+    served = worker["server_info"]["pin_check"]
+    assert served[COMPLETIONS]["served"] == [0, 0, 1, 1]
+    text = httpx.get(router.url + "/metrics", timeout=10).text
+    assert f'dpmesh_router_pin_honoured{{path="{CHAT}",worker="{engine.url}"}} 0.0' in text
+    assert f'dpmesh_router_pin_honoured{{path="{COMPLETIONS}",worker="{engine.url}"}} 1.0' in text
+
+
+def test_no_hit_is_predicted_where_the_pin_is_dropped(fleet):
+    _, router = fleet
+    words = " ".join(f"pin{i % 11} check{i}" for i in range(120))
+    chat = {"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": words}]}
+    for _ in range(3):
+        predicted, _ = predicted_after(router.url, CHAT, chat)
+        assert predicted == 0
+    completion = {"model": "tiny", "max_tokens": 1, "prompt": "other " + words}
+    predicted_after(router.url, COMPLETIONS, completion)
+    predicted, reported = predicted_after(router.url, COMPLETIONS, completion)
+    assert predicted > 0 and predicted == reported  # the pin holds here: placement believed
