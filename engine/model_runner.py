@@ -168,6 +168,18 @@ class ModelRunner:
     def kv_bytes(self) -> int:
         return self.kv.numel() * self.kv.element_size()
 
+    @torch.inference_mode()
+    def embed(self, inputs: list[list[int]]) -> list[list[float]]:
+        """One vector per input: the last token's final hidden state, L2-normalized (what vLLM
+        serves for a decoder-only model converted to embeddings: last-token pooling,
+        normalized). A plain forward pass each, no KV kept: embeddings share no cache."""
+        out = []
+        for ids in inputs:
+            tokens = torch.tensor([ids], dtype=torch.long, device=self.device)
+            hidden = self.model.base_model(input_ids=tokens).last_hidden_state[0, -1]
+            out.append(torch.nn.functional.normalize(hidden.float(), dim=0).tolist())
+        return out
+
     def _context(self, batch: ScheduledBatch) -> PagedContext:
         """The step's attention metadata (``engine.paged_context``); counts the step in
         ``cascade_steps`` when its decodes read a shared prefix."""

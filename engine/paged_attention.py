@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from engine.paged_context import PagedContext
 
@@ -41,9 +42,13 @@ def paged_attention(
     **kwargs,
 ):
     """transformers attention function over the paged pool. ``query`` is [1, H, T, D] for the
-    packed step; returns [1, T, H, D] as transformers expects."""
+    packed step; returns [1, T, H, D] as transformers expects. Without a step context (a plain
+    forward pass, as ``ModelRunner.embed`` makes: no pool, nothing kept) transformers' own SDPA
+    attention over the given keys."""
     if paged is None:
-        raise RuntimeError(f"{ATTN_IMPLEMENTATION} attention needs the engine's step context")
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+        )
     return attend(module.layer_idx, query[0], key[0], value[0], paged, scaling).unsqueeze(0), None
 
 

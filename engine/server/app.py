@@ -83,6 +83,7 @@ class EngineApp:
             ("GET", "/kv_events"): self.kv_events,
             ("POST", "/v1/completions"): self.completions,
             ("POST", "/v1/chat/completions"): self.chat_completions,
+            ("POST", "/v1/embeddings"): self.embeddings,
         }
 
     async def __call__(self, scope, receive, send):
@@ -213,6 +214,46 @@ class EngineApp:
 
     async def chat_completions(self, scope, receive, send):
         await self._generate(scope, receive, send, chat=True)
+
+    async def embeddings(self, scope, receive, send):
+        """OpenAI's embeddings on the rank asked for (the body's rank fields or the header, as on
+        the generation paths) or the one the balancer picks: the model's last-token hidden state,
+        normalized (``ModelRunner.embed``)."""
+        if self.draining:
+            raise APIError(503, "the engine is draining: send new requests elsewhere")
+        body = await read_json(receive, self.max_body_bytes, scope)
+        if not isinstance(body, dict):
+            raise APIError(400, "the request body must be a JSON object")
+        model = body.get("model")
+        if model is not None and model not in self.model_names:
+            raise APIError(
+                404, f"The model `{model}` does not exist.", param="model", type="NotFoundError"
+            )
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        hint = api.rank_hint(body, headers, self.client.dp_size)
+        parse = functools.partial(
+            api.embedding_inputs, body, self.tokenizer, self.info["vocab_size"],
+            self.info["max_model_len"],
+        )  # fmt: skip
+        long = prompt_text_chars({"prompt": body.get("input")}, False) >= OFF_LOOP_CHARS
+        inputs = await asyncio.to_thread(parse) if long else parse()
+        if scope["path"] in self.client.config.debug_ignore_rank_paths:
+            hint = None
+        try:
+            rank = self.client.choose_rank(hint)
+            vectors = await until_disconnect(
+                self.client.embed(f"embd-{uuid.uuid4().hex}", rank, inputs), receive
+            )
+        except RankUnavailable as exc:
+            raise APIError(503, str(exc)) from exc
+        except RankFailed as exc:
+            raise APIError(exc.status, str(exc)) from exc
+        if vectors is None:  # the client left
+            return
+        tokens = sum(map(len, inputs))
+        fmt = body.get("encoding_format") or "float"
+        answer = api.embeddings_answer(vectors, self.model, tokens, fmt)
+        await send_json(send, 200, answer, rank_header(rank))
 
     @property
     def in_flight(self) -> int:

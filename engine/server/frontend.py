@@ -16,7 +16,16 @@ from dataclasses import dataclass, field, replace
 from engine.config import EngineConfig
 from engine.llm_engine import RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.server.ipc import AbortRequest, AddRequest, Outputs, RankReady, RankStats, Shutdown
+from engine.server.ipc import (
+    AbortRequest,
+    AddRequest,
+    Embed,
+    Embedded,
+    Outputs,
+    RankReady,
+    RankStats,
+    Shutdown,
+)
 from engine.server.rank import rank_main
 
 logger = logging.getLogger(__name__)
@@ -187,6 +196,9 @@ class EngineClient:
                 # set from this thread: /health may run before bind
                 state.info, state.ready = msg, True
                 continue
+            if isinstance(msg, Embedded):
+                self._call(self._on_embedded, state, msg)
+                continue
             self._call(self._on_outputs, state, msg)
         state.process.join(timeout=5)
         code = state.process.exitcode
@@ -216,6 +228,12 @@ class EngineClient:
             queue = state.streams.get(out.request_id)
             if queue is not None:
                 queue.put_nowait(out)
+
+    @staticmethod
+    def _on_embedded(state: RankState, msg: Embedded) -> None:
+        queue = state.streams.get(msg.request_id)
+        if queue is not None:  # else its client left meanwhile
+            queue.put_nowait(msg)
 
     def _on_kv_events(self, state: RankState, events: list[tuple[str, list[int]]]) -> None:
         for kind, digests in events:
@@ -319,6 +337,33 @@ class EngineClient:
                     state.inbox.send(AbortRequest(request_id))
                 except OSError:
                     pass
+
+    async def embed(self, request_id: str, rank: int, inputs: list[list[int]]):
+        """The embeddings of ``inputs`` (token ids) computed on ``rank``, one vector each; its load
+        held meanwhile. RankFailed: the rank died, or cannot embed (400)."""
+        state = self.ranks[rank]
+        if not state.alive:
+            raise RankUnavailable(f"DP rank {rank} is not serving")
+        queue: asyncio.Queue = asyncio.Queue()
+        tokens = sum(map(len, inputs))
+        state.streams[request_id] = queue
+        state.inflight_requests += 1
+        state.inflight_tokens += tokens
+        try:
+            state.inbox.send(Embed(request_id, inputs))
+            item = await queue.get()
+            if isinstance(item, Exception):
+                state.counters.errors += 1
+                raise item
+            if item.error is not None:
+                raise RankFailed(item.error, 400)
+            state.counters.requests += 1
+            state.counters.prompt_tokens += tokens
+            return item.vectors
+        finally:
+            state.streams.pop(request_id, None)
+            state.inflight_requests -= 1
+            state.inflight_tokens -= tokens
 
     @staticmethod
     def _count(state: RankState, out: RequestOutput) -> None:

@@ -35,6 +35,22 @@ class AddRequest:
 
 
 @dataclass(frozen=True)
+class Embed:
+    """Embed each of ``inputs`` (token ids): the model's last hidden state at the last token,
+    L2-normalized (``ModelRunner.embed``). Answered by one ``Embedded``."""
+
+    request_id: str
+    inputs: list[list[int]]
+
+
+@dataclass(frozen=True)
+class Embedded:
+    request_id: str
+    vectors: list[list[float]] | None
+    error: str | None = None  # the rank cannot embed (a simulated engine): a 400
+
+
+@dataclass(frozen=True)
 class AbortRequest:
     request_id: str
 

@@ -6,6 +6,8 @@ Parsing is strict: every value is type-checked before anything is queued, and a 
 
 from __future__ import annotations
 
+import base64
+import struct
 import time
 from dataclasses import dataclass
 
@@ -312,3 +314,58 @@ def usage_chunk(req: ParsedRequest, rid: str, model: str, created: int, use: dic
         "choices": [],
         "usage": use,
     }
+
+
+# ----- /v1/embeddings ----------------------------------------------------------------------------
+def embedding_inputs(body: dict, tokenizer, vocab_size: int, max_model_len: int) -> list[list[int]]:
+    """The token ids of each input of an embeddings request: OpenAI's ``input`` is a string, a
+    list of strings, a list of token ids, or a list of such lists. Each must be non-empty and fit
+    ``max_model_len``; anything else is a 400 naming ``input``."""
+    raw = body.get("input")
+    if isinstance(raw, str) or (isinstance(raw, list) and raw and all(map(is_int, raw))):
+        raw = [raw]
+    if not (isinstance(raw, list) and raw):
+        raise APIError(
+            400,
+            "'input' must be a string, a list of strings, a list of token ids or a list of such",
+            param="input",
+        )
+    out = []
+    for item in raw:
+        if isinstance(item, str) and item:
+            try:
+                ids = encode_text(tokenizer, item, limit=max_model_len)
+            except TooManyTokens as exc:
+                raise APIError(
+                    400, too_long_message(max_model_len, exc.at_least, exact=False), param="input"
+                ) from exc
+        elif isinstance(item, list) and item and all(map(is_int, item)):
+            if not all(0 <= t < vocab_size for t in item):
+                raise APIError(400, f"token ids must be in [0, {vocab_size})", param="input")
+            ids = item
+        else:
+            raise APIError(400, "each input must be a non-empty string or token id list",
+                           param="input")  # fmt: skip
+        if len(ids) > max_model_len:
+            raise APIError(400, too_long_message(max_model_len, len(ids)), param="input")
+        out.append(ids)
+    if body.get("dimensions") is not None:
+        raise APIError(400, "'dimensions' is not supported by this model", param="dimensions")
+    if body.get("encoding_format", "float") not in ("float", "base64"):
+        raise APIError(400, "'encoding_format' must be 'float' or 'base64'",
+                       param="encoding_format")  # fmt: skip
+    return out
+
+
+def embeddings_answer(vectors: list[list[float]], model: str, tokens: int, fmt: str) -> dict:
+    """OpenAI's embeddings answer; ``base64``: each vector as little-endian float32 bytes."""
+    data = []
+    for index, vector in enumerate(vectors):
+        value = (
+            base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
+            if fmt == "base64"
+            else vector
+        )
+        data.append({"object": "embedding", "index": index, "embedding": value})
+    usage = {"prompt_tokens": tokens, "total_tokens": tokens}
+    return {"object": "list", "data": data, "model": model, "usage": usage}

@@ -16,7 +16,16 @@ from engine.block_manager import BlockStored
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sequence import Sequence
-from engine.server.ipc import AbortRequest, AddRequest, Outputs, RankReady, RankStats, Shutdown
+from engine.server.ipc import (
+    AbortRequest,
+    AddRequest,
+    Embed,
+    Embedded,
+    Outputs,
+    RankReady,
+    RankStats,
+    Shutdown,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +117,9 @@ class RankLoop:
                 self._start_pull(msg)
             else:
                 self._add(msg)
+        elif isinstance(msg, Embed):
+            self._embed(msg)
+            return True
         elif isinstance(msg, AbortRequest):
             if self.pulls.pop(msg.request_id, None) is None:
                 req = self.engine.requests.get(msg.request_id)
@@ -130,6 +142,18 @@ class RankLoop:
             self.errors[msg.request_id] = str(exc)
             if msg.hold_key is not None and self.kv_server is not None:
                 self.kv_server.fail(msg.hold_key, str(exc))
+
+    def _embed(self, msg: Embed) -> None:
+        """Embed between steps (a forward pass per input, no KV kept): the answer at once."""
+        embed = getattr(self.engine.runner, "embed", None)
+        if embed is None:
+            answer = Embedded(msg.request_id, None, "a simulated engine computes no embeddings")
+        else:
+            try:
+                answer = Embedded(msg.request_id, embed(msg.inputs))
+            except (RuntimeError, ValueError) as exc:
+                answer = Embedded(msg.request_id, None, f"embedding failed: {exc}")
+        self.outbox.send(answer)
 
     # ----- decode: pull, then run ----------------------------------------------------------
     def _start_pull(self, msg: AddRequest) -> None:

@@ -319,3 +319,68 @@ def test_openai_client_unmodified(engine):
     )
     assert "".join(c.choices[0].text for c in comp_chunks if c.choices) == comp.choices[0].text
     assert comp_chunks[-1].usage.prompt_tokens == comp.usage.prompt_tokens
+
+
+# ----- /v1/embeddings ----------------------------------------------------------------------------
+def test_embeddings_with_the_openai_client_on_the_pinned_rank(engine):
+    """OpenAI's shapes (the openai client parses them), one normalized vector per input (string,
+    token ids), computed on the rank asked for, equal to the model's own last-token state."""
+    import base64
+    import struct
+
+    import torch
+    from transformers import AutoModel
+
+    from engine.tiny import ensure_tiny_model
+
+    client = openai.OpenAI(base_url=engine.url + "/v1", api_key="none")
+    result = client.embeddings.with_raw_response.create(
+        model="tiny",
+        input=["the tiny model", "another input"],
+        extra_headers={"X-data-parallel-rank": "1"},
+    )
+    assert result.headers["x-data-parallel-rank"] == "1"
+    parsed = result.parse()
+    assert [d.index for d in parsed.data] == [0, 1] and parsed.usage.prompt_tokens > 0
+    first = parsed.data[0].embedding
+    assert abs(sum(v * v for v in first) - 1.0) < 1e-4
+    model = AutoModel.from_pretrained(ensure_tiny_model()).eval()
+    ids = httpx.post(engine.url + "/v1/embeddings", json={"input": "the tiny model"}, timeout=30)
+    assert ids.status_code == 200
+    from transformers import AutoTokenizer
+
+    tokens = AutoTokenizer.from_pretrained(ensure_tiny_model()).encode(
+        "the tiny model", add_special_tokens=False
+    )
+    with torch.inference_mode():
+        want = model(input_ids=torch.tensor([tokens])).last_hidden_state[0, -1].float()
+    want = torch.nn.functional.normalize(want, dim=0)
+    assert torch.allclose(torch.tensor(first), want, atol=1e-3)
+    # token ids in, base64 out: the same vector
+    b64 = httpx.post(engine.url + "/v1/embeddings", timeout=30,
+                     json={"input": [tokens], "encoding_format": "base64",
+                           "data_parallel_rank": 0})  # fmt: skip
+    assert b64.status_code == 200 and b64.headers["x-data-parallel-rank"] == "0"
+    raw = base64.b64decode(b64.json()["data"][0]["embedding"])
+    decoded = struct.unpack(f"<{len(raw) // 4}f", raw)
+    assert torch.allclose(torch.tensor(decoded), want, atol=1e-3)
+
+
+@pytest.mark.parametrize(
+    "body, status, param",
+    [
+        ({"input": ""}, 400, "input"),
+        ({"input": []}, 400, "input"),
+        ({"input": [[]]}, 400, "input"),
+        ({"input": 3}, 400, "input"),
+        ({"input": "x", "dimensions": 8}, 400, "dimensions"),
+        ({"input": "x", "encoding_format": "int8"}, 400, "encoding_format"),
+        ({"input": "word " * (MAX_MODEL_LEN + 10)}, 400, "input"),
+        ({"input": "x", "model": "nope"}, 404, "model"),
+        ({"input": "x", "data_parallel_rank": DP}, 400, "data_parallel_rank"),
+    ],
+)
+def test_bad_embeddings_requests_are_clear_errors(engine, body, status, param):
+    r = httpx.post(engine.url + "/v1/embeddings", json=body, timeout=30)
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["param"] == param

@@ -73,6 +73,9 @@ async def test_discovery_reads_what_vllm_says_and_where(router, vllm_server):
         assert list(view.zmq_kv_events) == vllm_server.kv_events  # from /kv_event_sources
     live = router.worker_state(view.worker_id)
     assert live["health"] == "healthy" and len(live["targets"]) == 2
+    # the pin check (apps/replicas/pin_check.py), read from vLLM's per-engine request counters:
+    # vLLM honours the header on both paths
+    assert view.pin_check == {"/v1/completions": True, "/v1/chat/completions": True}
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])

@@ -31,6 +31,9 @@ logger = logging.getLogger(__name__)
 # the time check overrides the policy's choice only for a clearly quicker first token: by more
 # than this many seconds and by more than this share of the quicker one's predicted TTFT
 TIME_CHECK_FLOOR_S = 0.02
+# the paths whose prompts fill the prefix cache: any other (embeddings, scoring) is routed by load
+# with nothing predicted cached and nothing inserted into the index
+CACHED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 TIME_CHECK_RATIO = 0.5
 
 
@@ -140,7 +143,9 @@ class Router:
             self.sessions.record(session, target.key, kept=home is not None)
         shape = shapes[target.key]
         path = path or ("/v1/chat/completions" if chat else "/v1/completions")
-        placed = target.rank is None or target.worker.pin_check.get(path, True)
+        placed = path in CACHED_PATHS and (
+            target.rank is None or target.worker.pin_check.get(path, True)
+        )
         predicted = self._cached_tokens(target, shape, matched, primary) if placed else 0
         if not placed:  # the engine picks the rank: its blocks are nowhere the index could say
             shape = RequestShape([], shape.prompt_tokens, shape.block_tokens, shape.chat)

@@ -1,6 +1,8 @@
 """The OpenAI proxy endpoints as a plain ASGI app, in front of Django.
 
-``/v1/completions`` and ``/v1/chat/completions`` are the router's hot path. Django's middleware
+``/v1/completions`` and ``/v1/chat/completions`` are the router's hot path; the pooling and
+scoring paths (``/v1/embeddings``, ``/v1/rerank``, ``/v1/score``, ...) pass through here too,
+routed by load with their load counted (``PATHS``). Django's middleware
 stack runs its hooks through thread hops (measured: ~13 per request, ~5 ms added at p50), which
 these two endpoints do not need: they have no session, no CSRF, no templates. So
 ``controlplane.asgi`` sends exactly these paths here and everything else to Django.
@@ -41,7 +43,17 @@ from serving.asgi import (
 )
 from serving.openai_fields import APIError, rank_hint, strict_json
 
-PATHS = {"/v1/completions": False, "/v1/chat/completions": True}  # path -> chat?
+# path -> chat? (None: a path passed through as it is: routed by load, nothing predicted cached,
+# no prompt read; pooling and scoring requests share no prefix cache with generation)
+PATHS = {
+    "/v1/completions": False,
+    "/v1/chat/completions": True,
+    **dict.fromkeys(
+        ("/v1/embeddings", "/v1/rerank", "/v1/score", "/rerank", "/score", "/v1/classify",
+         "/classify", "/pooling"),
+        None,
+    ),
+}  # fmt: skip
 PRIORITY = re.compile(r"[+-]?[0-9]{1,18}")
 
 
@@ -141,7 +153,7 @@ class OpenAIEndpoint:
             await send_body(send, exc.status, exc.body(), headers=exc.headers())
             return
         try:
-            chat = PATHS[path]
+            chat = bool(PATHS[path])
             await proxy_request(
                 self.router,
                 body,

@@ -29,7 +29,7 @@ import time
 
 from apps.routing.decision.dispatch import Dispatch
 from apps.routing.decision.request_shape import tokenize_off_loop
-from apps.routing.decision.router import NoTarget, Router
+from apps.routing.decision.router import CACHED_PATHS, NoTarget, Router
 from apps.routing.feeds import health
 from apps.routing.proxy import limits, wire
 from controlplane import http1
@@ -96,8 +96,9 @@ async def proxy_request(
     which the overhead it reports is counted."""
     since = time.perf_counter() if since is None else since
     model = body.get("model") if isinstance(body.get("model"), str) else None
-    tried: set[str] = set()
-    last: ProxyError | None = None
+    if path not in CACHED_PATHS:  # embeddings, scoring: routed by load, passed through as sent
+        await _attempts(router, body, chat, path, send, model, rank, session, since, {})
+        return
     # a long text prompt is tokenized once, in worker threads, for every attempt; no further
     # than the longest context of the workers that could serve it (apps/routing/proxy/limits.py)
     limit = limits.prompt_limit(router.fleet.candidates(model) or router.fleet.candidates(None))
@@ -118,6 +119,13 @@ async def proxy_request(
             ids_by_path=ids_by_path, rank=rank, session=session, since=since,
         )  # fmt: skip
         return
+    await _attempts(router, body, chat, path, send, model, rank, session, since, ids_by_path)
+
+
+async def _attempts(router, body, chat, path, send, model, rank, session, since, ids_by_path):
+    """Route and send, retrying on another target while nothing reached the client."""
+    tried: set[str] = set()
+    last: ProxyError | None = None
     for attempt in range(router.config.max_retries + 1):
         try:
             dispatch = router.route(
@@ -128,6 +136,7 @@ async def proxy_request(
                 rank=rank,
                 session=session,
                 ids_by_path=ids_by_path,
+                path=path,
             )
         except NoTarget as exc:
             error = last or ProxyError(503, str(exc), "server_error")

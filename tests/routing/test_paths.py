@@ -1,7 +1,11 @@
-"""The pin check (apps/replicas/pin_check.py): a real engine of ours that drops the rank pin on
-one path (``--debug-ignore-rank-on``, as SGLang 0.5.19 does on /v1/responses) behind a real
-router. Discovery finds exactly that path; /workers and /metrics say so; requests there are
-routed without a predicted hit, while the other path keeps its hits."""
+"""Every path users send, through a real router to a real engine of ours (DP 2):
+
+- the pin check (apps/replicas/pin_check.py): the engine drops the rank pin on one path
+  (``--debug-ignore-rank-on``, as SGLang 0.5.19 does on /v1/responses); discovery finds exactly
+  that path, /workers and /metrics say so, requests there are routed without a predicted hit,
+  while the other path keeps its hits;
+- the pooling and scoring paths pass through (routed by load, nothing predicted cached): the
+  engine's /v1/embeddings answer as it is, an engine's 404 on a path it does not serve as it is."""
 
 from __future__ import annotations
 
@@ -58,3 +62,31 @@ def test_no_hit_is_predicted_where_the_pin_is_dropped(fleet):
     predicted_after(router.url, COMPLETIONS, completion)
     predicted, reported = predicted_after(router.url, COMPLETIONS, completion)
     assert predicted > 0 and predicted == reported  # the pin holds here: placement believed
+
+
+def test_embeddings_pass_through_the_router_with_their_load_counted(fleet):
+    import openai
+
+    from tests.support.router_checks import assert_idle
+
+    engine, router = fleet
+    inputs = ["through the router", "and straight"]
+    direct = httpx.post(engine.url + "/v1/embeddings", json={"input": inputs}, timeout=30).json()
+    client = openai.OpenAI(base_url=router.url + "/v1", api_key="none")
+    before = counter(router.url, "dpmesh_router_requests_total")
+    routed = client.embeddings.with_raw_response.create(model="tiny", input=inputs)
+    assert routed.headers["x-routed-target"].startswith(engine.url)
+    got = routed.parse()
+    for mine, theirs in zip(got.data, direct["data"], strict=True):
+        assert (
+            max(abs(a - b) for a, b in zip(mine.embedding, theirs["embedding"], strict=True)) < 1e-5
+        )
+    assert counter(router.url, "dpmesh_router_requests_total") - before == 1
+    predicted = counter(router.url, "dpmesh_router_predicted_cached_tokens_total")
+    client.embeddings.create(model="tiny", input=inputs)
+    assert counter(router.url, "dpmesh_router_predicted_cached_tokens_total") == predicted
+    assert_idle(router.url)
+    # a path the engine does not serve: its own 404, in OpenAI's error shape
+    r = httpx.post(router.url + "/v1/rerank", json={"query": "q", "documents": ["d"]}, timeout=30)
+    assert r.status_code == 404 and "error" in r.json()
+    assert_idle(router.url)
