@@ -162,6 +162,10 @@ CONTROL_PLANE = namespaced_settings(
         "QUEUE_TIMEOUT_S": 60.0,
         "SATURATION_QUEUED_PREFILL_TOKENS": 0,
         "SATURATION_KV_USAGE": 0.0,
+        # Per-tenant rate limits (apps/routing/proxy/tenants.py): "TENANT=RPM[:TPM],..." and
+        # "RPM[:TPM]" for every other tenant; empty: none.
+        "TENANT_LIMITS": "",
+        "DEFAULT_TENANT_LIMIT": "",
         # On SIGTERM/SIGINT: how long in-flight requests may run on (apps/routing/proxy/drain.py).
         "DRAIN_TIMEOUT_S": 25.0,
         # The ASGI server a router process runs under (apps/routing/process.py): uvicorn or

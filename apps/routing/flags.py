@@ -229,6 +229,21 @@ def add_admission_arguments(parser: argparse.ArgumentParser) -> None:
         help="on SIGTERM/SIGINT, how long in-flight requests may finish before the router stops "
         "(default 25)",
     )
+    parser.add_argument(
+        "--tenant-limit",
+        action="append",
+        default=None,
+        metavar="TENANT=RPM[:TPM]",
+        help="a tenant's requests (and tokens) a minute, per router process; the tenant is the "
+        "X-Tenant-Id header, else the API key's key-<sha256 prefix> (repeatable; replaces "
+        "CONTROL_PLANE_TENANT_LIMITS)",
+    )
+    parser.add_argument(
+        "--default-tenant-limit",
+        default=None,
+        metavar="RPM[:TPM]",
+        help="every tenant not named by --tenant-limit (default: not limited)",
+    )
 
 
 # runrouter option -> RouterConfig field, where the names differ (the flags are SGLang's)
@@ -272,6 +287,8 @@ def config_from_settings(**overrides) -> RouterConfig:
         saturation_kv_usage=cp.get("SATURATION_KV_USAGE", 0.0),
         drain_timeout_s=cp.get("DRAIN_TIMEOUT_S", 25.0),
         time_check=cp.get("TIME_CHECK", True),
+        tenant_limits=tuple(e for e in str(cp.get("TENANT_LIMITS", "")).split(",") if e.strip()),
+        default_tenant_limit=cp.get("DEFAULT_TENANT_LIMIT") or None,
     )
     for key, value in overrides.items():
         if value is not None:
@@ -296,5 +313,7 @@ def config_from_options(opts: dict) -> RouterConfig:
         pd_protocol=protocol,
         prefill_policy=opts.get("prefill_policy"),
         decode_policy=opts.get("decode_policy"),
+        tenant_limits=tuple(opts["tenant_limit"]) if opts.get("tenant_limit") else None,
+        default_tenant_limit=opts.get("default_tenant_limit"),
         **{field: opts.get(option) for option, field in OPTION_FIELDS.items()},
     )

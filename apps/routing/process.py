@@ -32,6 +32,7 @@ from apps.routing.feeds.persist import stats_loop
 from apps.routing.feeds.shared_index import IndexSync
 from apps.routing.flags import DEFAULT_ROUTER_PORT, SERVERS, config_from_options, pd_workers
 from apps.routing.live import LiveFleet
+from apps.routing.proxy import tenants
 from apps.routing.proxy.admission import make_admission
 from apps.routing.proxy.drain import Drain
 from apps.routing.services import policy_adopt
@@ -206,6 +207,10 @@ def _serve_one(
     role_workers = pd_workers(opts)
     if role_workers and not router.config.pd:
         raise ImproperlyConfigured("--prefill and --decode need --pd-disaggregation")
+    try:
+        tenants.from_config(router.config)  # a malformed limit stops the start, not a request
+    except ValueError as exc:
+        raise ImproperlyConfigured(f"--tenant-limit / --default-tenant-limit: {exc}") from exc
     overrides = {
         name: opts.get(f"worker_{name}")
         for name in ("dp_size", "block_size", "tokenizer_path", "kv_events")

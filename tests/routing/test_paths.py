@@ -5,7 +5,9 @@
   that path, /workers and /metrics say so, requests there are routed without a predicted hit,
   while the other path keeps its hits;
 - the pooling and scoring paths pass through (routed by load, nothing predicted cached): the
-  engine's /v1/embeddings answer as it is, an engine's 404 on a path it does not serve as it is."""
+  engine's /v1/embeddings answer as it is, an engine's 404 on a path it does not serve as it is;
+- tenants: a router with per-tenant limits answers the limited tenant 429 with Retry-After,
+  serves the others, and loses nothing."""
 
 from __future__ import annotations
 
@@ -90,3 +92,31 @@ def test_embeddings_pass_through_the_router_with_their_load_counted(fleet):
     r = httpx.post(router.url + "/v1/rerank", json={"query": "q", "documents": ["d"]}, timeout=30)
     assert r.status_code == 404 and "error" in r.json()
     assert_idle(router.url)
+
+
+def test_a_limited_tenant_gets_429s_and_the_others_are_served(fleet, tmp_path):
+    from tests.support.router_checks import assert_idle
+
+    engine, _ = fleet
+    flags = ("--tenant-limit", "small=2", "--tenant-limit", "thrifty=100:40")
+    with start_router(tmp_path, [engine.url], "limited", *flags) as router:
+        body = {"model": "tiny", "prompt": "a tenant's request", "max_tokens": 2}
+
+        def post(tenant: str, prompt: str = "a tenant's request") -> httpx.Response:
+            return httpx.post(router.url + COMPLETIONS, json={**body, "prompt": prompt},
+                              timeout=60, headers={"X-Tenant-Id": tenant})  # fmt: skip
+
+        assert [post("small").status_code for _ in range(2)] == [200, 200]
+        refused = post("small")
+        assert refused.status_code == 429, refused.text
+        assert int(refused.headers["retry-after"]) >= 1
+        assert refused.headers["x-ratelimit-limit-requests"] == "2"
+        assert refused.json()["error"]["code"] == "rate_limit_exceeded"
+        assert all(post("other").status_code == 200 for _ in range(4))  # not limited
+        long = " ".join(f"word{i}" for i in range(60))
+        assert post("thrifty", long).status_code == 200  # spends more than its 40 tokens...
+        tokens = post("thrifty")
+        assert tokens.status_code == 429 and tokens.json()["error"]["type"] == "tokens"
+        text = httpx.get(router.url + "/metrics", timeout=10).text
+        assert 'dpmesh_router_tenant_rate_limited_total{kind="requests",tenant="small"} 1.0' in text
+        assert_idle(router.url)

@@ -35,6 +35,10 @@ class RouterConfig:
     saturation_queued_prefill_tokens: int = 0
     saturation_kv_usage: float = 0.0
     drain_timeout_s: float = 25.0  # on SIGTERM/SIGINT (apps/routing/proxy/drain.py)
+    # per-tenant rate limits (apps/routing/proxy/tenants.py): "TENANT=RPM[:TPM]" entries, and
+    # "RPM[:TPM]" for every other tenant (None: only the listed ones are limited)
+    tenant_limits: tuple[str, ...] = ()
+    default_tenant_limit: str | None = None
     # prefill/decode disaggregation (apps/routing/proxy/pd.py): each request's prefill leg goes to
     # a prefill worker's rank (``prefill_policy``, else ``policy``), its decode leg to a decode
     # worker's (``decode_policy``, else ``policy``); ``pd_protocol``: "auto" (by the prefill

@@ -20,6 +20,7 @@ however the request ends.
 
 from __future__ import annotations
 
+import functools
 import re
 import time
 
@@ -28,7 +29,7 @@ from django.conf import settings
 from apps.replicas.auth import INVALID_API_KEY_BODY, api_key_allowed, scope_authorization
 from apps.routing.decision.router import Router
 from apps.routing.decision.sessions import session_of
-from apps.routing.proxy import limits
+from apps.routing.proxy import limits, tenants
 from apps.routing.proxy.admission import Admission, Rejected, make_admission
 from apps.routing.proxy.upstream import ProxyError, proxy_request
 from serving import memory
@@ -60,11 +61,18 @@ PRIORITY = re.compile(r"[+-]?[0-9]{1,18}")
 class OpenAIEndpoint:
     """The ASGI app of ``PATHS``, serving through ``router``."""
 
-    def __init__(self, router: Router, admission: Admission | None = None):
+    def __init__(
+        self,
+        router: Router,
+        admission: Admission | None = None,
+        tenant_limits: tenants.TenantLimits | None = None,
+    ):
         self.router = router
         self.admission = admission or make_admission(router)
         self.large_bodies = limits.LargeBodies()
         self.body_timeout_s = settings.CONTROL_PLANE["BODY_TIMEOUT_S"]
+        self.tenants = tenant_limits or tenants.from_config(router.config)
+        self.tenants.attach(router)
 
     async def __call__(self, scope, receive, send) -> None:
         arrived = time.perf_counter()
@@ -125,6 +133,14 @@ class OpenAIEndpoint:
         except ProxyError as exc:
             await send_body(send, exc.status, exc.body())
             return size
+        if self.tenants.active:  # per-tenant rate limits (proxy/tenants.py): before admission
+            tenant = tenants.tenant_of(scope)
+            try:
+                self.tenants.admit(tenant)
+            except tenants.RateLimited as exc:
+                await send_body(send, exc.status, exc.body(), headers=exc.headers())
+                return size
+            tenants.USAGE_SINK.set(functools.partial(self.tenants.spent, tenant))
         # the wait for admission runs under until_disconnect too: a client that leaves the queue
         # cancels it
         session = session_of(body, scope.get("headers"))

@@ -31,7 +31,7 @@ from apps.routing.decision.dispatch import Dispatch
 from apps.routing.decision.request_shape import tokenize_off_loop
 from apps.routing.decision.router import CACHED_PATHS, NoTarget, Router
 from apps.routing.feeds import health
-from apps.routing.proxy import limits, wire
+from apps.routing.proxy import limits, tenants, wire
 from controlplane import http1
 from controlplane.errors import error_bytes
 from engine.tokenize_cache import TooManyTokens
@@ -244,6 +244,8 @@ async def _attempt(
         if response is not None:
             response.release()
         ending.apply(dispatch)
+        if ending.ok:
+            tenants.charge(ending.usage)  # its tenant's tokens a minute (proxy/tenants.py)
 
 
 async def _relay_stream(
