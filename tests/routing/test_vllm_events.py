@@ -37,6 +37,30 @@ def test_stored_blocks_become_our_chained_digests_through_parent_hashes():
     assert decoder.digest_of == dict(zip([11, 12, 13, 14], DIGESTS, strict=True))
 
 
+def test_a_salted_chain_is_its_tenants_digests():
+    """vLLM 0.32 says a chain's first block's ``cache_salt`` in its untagged ``extra_keys`` (after
+    the LoRA name, when there is one): the digests are the salted request's, as the router keys
+    it (request_shape.tenant_namespace), never the unsalted prompt's."""
+    from engine.digests import namespace
+
+    salted = chain_digests(TOKENS, BS, namespace("tenant-a"))
+    cases = [
+        ([("tenant-a",), None], None),
+        ([("my-lora", "tenant-a"), None], "my-lora"),
+        ([(("mm", 0), "tenant-a"), None], None),
+    ]
+    for extra, lora in cases:
+        decoder = RankDecoder(BS)
+        event = {**stored_map([11, 12], None, TOKENS[:8]), "extra_keys": extra, "lora_name": lora}
+        first = decoder.decode(0, payload(event))
+        assert first.events == [("stored", salted[:2])], (extra, lora)
+        second = decoder.decode(1, payload(stored_map([13], 12, TOKENS[8:12])))
+        assert second.events == [("stored", [salted[2]])]
+    decoder = RankDecoder(BS)  # no salt: the plain chain
+    plain = {**stored_map([11], None, TOKENS[:4]), "extra_keys": [None]}
+    assert decoder.decode(0, payload(plain)).events == [("stored", DIGESTS[:1])]
+
+
 def test_the_older_positional_encoding_reads_the_same():
     decoder = RankDecoder(BS)
     batch = decoder.decode(

@@ -114,6 +114,30 @@ async def test_a_client_rank_is_a_pin_and_a_bad_one_a_400(router, client, vllm_s
     assert all(t.load.idle for t in router.fleet.all_targets())
 
 
+async def test_tenants_salts_keep_their_hits_apart_as_vllm_does(router, client):
+    """The same prompt under two ``cache_salt``s and none: vLLM serves no hit across them, and
+    the router predicts none; within a tenant, what it predicts is what vLLM reports."""
+    rng = random.Random(77)
+    prompt = [rng.randrange(100, 4000) for _ in range(6 * BLOCK_SIZE + 5)]
+
+    async def send(salt):
+        body = {"prompt": prompt, "max_tokens": 1}
+        if salt is not None:
+            body["cache_salt"] = salt
+        before = sum(s.predicted_tokens for s in router.stats.targets.values())
+        r = await client.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        predicted = sum(s.predicted_tokens for s in router.stats.targets.values()) - before
+        return predicted, r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert await send("tenant-a") == (0, 0)
+    predicted, cached = await send("tenant-a")
+    assert cached == 6 * BLOCK_SIZE and predicted == cached
+    assert await send("tenant-b") == (0, 0)
+    assert await send(None) == (0, 0)
+    assert await send("tenant-b") == (6 * BLOCK_SIZE, 6 * BLOCK_SIZE)
+
+
 def prefix_workload(seed: int, prefixes: int = 10, per_prefix: int = 5) -> list[list[int]]:
     """Token-id prompts: ``prefixes`` shared prefixes of 10 blocks, each followed by a fresh
     suffix of 1-2 blocks; the first request of each prefix first, the rest shuffled."""

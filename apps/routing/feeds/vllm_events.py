@@ -29,13 +29,22 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from engine.digests import block_digest
+from engine.digests import block_digest, namespace
 
 logger = logging.getLogger(__name__)
 
 _decoder = msgspec.msgpack.Decoder()
 POSITIONAL = {  # field order of the array form, after the type name
-    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size"),
+    "BlockStored": (
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "lora_id",
+        "medium",
+        "lora_name",
+        "extra_keys",
+    ),
     "BlockRemoved": ("block_hashes",),
     "AllBlocksCleared": (),
 }
@@ -53,6 +62,20 @@ class Translated:
     events: list[tuple[str, list[int]]] = field(default_factory=list)
     cleared: bool = False
     gap: bool = False
+
+
+def chain_namespace(first_extra, lora_name) -> int | None:
+    """The router's parent for a chain's first block (engine/digests.py ``namespace``) from what
+    vLLM says of it: its ``extra_keys`` entry holds, untagged and in order, the LoRA name (when
+    ``lora_name`` is set), multimodal ``(id, offset)`` pairs, the ``cache_salt`` and prompt
+    embedding digests (bytes); the salt is the first string after the LoRA name. The router keys
+    a request's salt the same way (request_shape.tenant_namespace), so a salted vLLM block is
+    the salted request's, never another tenant's."""
+    keys = list(first_extra or ())
+    if lora_name and keys and keys[0] == lora_name:
+        keys = keys[1:]
+    salt = next((k for k in keys if isinstance(k, str) and k), None)
+    return namespace(salt)  # LoRA adapters are not routed apart yet: the chain is the salt's
 
 
 class RankDecoder:
@@ -133,7 +156,10 @@ class RankDecoder:
             return []
         parent_hash = fields.get("parent_block_hash")
         parent = None
-        if parent_hash is not None:
+        if parent_hash is None:  # a chain's first block: its tenant's namespace, if any
+            extra = fields.get("extra_keys") or ()
+            parent = chain_namespace(extra[0] if extra else None, fields.get("lora_name"))
+        else:
             parent = self.digest_of.get(parent_hash)
             if parent is None:  # a chain we joined midway: its digests cannot be computed
                 self.unresolved += len(hashes)
