@@ -15,7 +15,7 @@ import time
 import uuid
 
 from engine.server import openai_api as api
-from engine.server import pd
+from engine.server import pd, responses
 from engine.server.frontend import EngineClient, RankFailed, RankUnavailable
 from engine.server.metrics import make_registry, render
 from serving.asgi import (
@@ -44,6 +44,12 @@ def rank_header(rank: int | None) -> list:
 
 async def send_event(send, payload: dict):
     await send_chunk(send, b"data: " + json.dumps(payload).encode() + b"\n\n")
+
+
+async def send_named_event(send, kind: str, payload: dict):
+    """One server-sent event with its ``event:`` name (the Responses API's stream)."""
+    data = b"event: " + kind.encode() + b"\ndata: " + json.dumps(payload).encode() + b"\n\n"
+    await send_chunk(send, data)
 
 
 async def send_sse_end(send):
@@ -84,7 +90,9 @@ class EngineApp:
             ("POST", "/v1/completions"): self.completions,
             ("POST", "/v1/chat/completions"): self.chat_completions,
             ("POST", "/v1/embeddings"): self.embeddings,
+            ("POST", "/v1/responses"): self.responses,
         }
+        self.response_store = responses.ResponseStore()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "lifespan":
@@ -254,6 +262,71 @@ class EngineApp:
         fmt = body.get("encoding_format") or "float"
         answer = api.embeddings_answer(vectors, self.model, tokens, fmt)
         await send_json(send, 200, answer, rank_header(rank))
+
+    async def responses(self, scope, receive, send):
+        """OpenAI's Responses API on the chat path (engine/server/responses.py): the request as a
+        chat, its answer in the Responses shapes; stored for ``previous_response_id`` unless
+        ``store`` is false."""
+        if self.draining:
+            raise APIError(503, "the engine is draining: send new requests elsewhere")
+        body = await read_json(receive, self.max_body_bytes, scope)
+        chat, messages = responses.chat_body(body, self.response_store)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        parse = functools.partial(
+            api.parse, chat, headers, chat=True, tokenizer=self.tokenizer,
+            model_names=self.model_names, dp_size=self.client.dp_size,
+            max_model_len=self.info["max_model_len"], vocab_size=self.info["vocab_size"],
+        )  # fmt: skip
+        long = prompt_text_chars(chat, True) >= OFF_LOOP_CHARS
+        req = await asyncio.to_thread(parse) if long else parse()
+        if scope["path"] in self.client.config.debug_ignore_rank_paths:
+            req.rank_hint = None
+        rid = responses.new_id()
+        try:
+            rank = self.client.choose_rank(req.rank_hint)
+        except RankUnavailable as exc:
+            raise APIError(503, str(exc)) from exc
+        outputs = self.client.generate(rid, rank, req.prompt_token_ids, req.params)
+        writer = responses.EventWriter(rid, self.model, body)
+        relay = self._respond(req, writer, rank, outputs, send)
+        text = await until_disconnect(relay, receive)
+        if text is not None and body.get("store", True) is not False:
+            self.response_store.put(rid, [*messages, {"role": "assistant", "content": text}])
+
+    async def _respond(self, req, writer, rank, outputs, send) -> str | None:
+        """Run one Responses request and answer it; its text (None if it failed)."""
+        text, last, started = [], None, False
+        try:
+            async with contextlib.aclosing(outputs) as stream:
+                async for out in stream:
+                    if req.stream and not started:
+                        await start_sse(send, rank_header(rank))
+                        started = True
+                        for kind, event in writer.opening():
+                            await send_named_event(send, kind, event)
+                    if req.stream and out.new_text:
+                        await send_named_event(send, *writer.delta(out.new_text))
+                    text.append(out.new_text)
+                    last = out
+        except RankFailed as exc:
+            if not started:
+                raise APIError(exc.status, str(exc)) from exc
+            error = APIError(exc.status, str(exc)).body()
+            await send_named_event(send, "error", {"type": "error", **error["error"]})
+            await end_body(send)
+            return None
+        answer = "".join(text)
+        use = responses.usage(last.num_prompt_tokens, last.num_output_tokens,
+                              last.num_cached_tokens)  # fmt: skip
+        if req.stream:
+            for kind, event in writer.closing(answer, use):
+                await send_named_event(send, kind, event)
+            await end_body(send)
+        else:
+            payload = responses.response_object(writer.rid, self.model, writer.body, "completed",
+                                                answer, use, writer.created)  # fmt: skip
+            await send_json(send, 200, payload, rank_header(rank))
+        return answer
 
     @property
     def in_flight(self) -> int:

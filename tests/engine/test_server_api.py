@@ -384,3 +384,41 @@ def test_bad_embeddings_requests_are_clear_errors(engine, body, status, param):
     r = httpx.post(engine.url + "/v1/embeddings", json=body, timeout=30)
     assert r.status_code == status, r.text
     assert r.json()["error"]["param"] == param
+
+
+# ----- /v1/responses -----------------------------------------------------------------------------
+def test_responses_with_the_openai_client_stream_and_not_and_continued(engine):
+    """OpenAI's Responses API on the chat path: the openai client parses the object and the
+    stream; the streamed text is the non-streamed text (greedy); a continuation carries the stored
+    conversation (more input tokens, its prefix cached on the same rank)."""
+    client = openai.OpenAI(base_url=engine.url + "/v1", api_key="none")
+    pin = {"X-data-parallel-rank": "1"}
+    first = client.responses.with_raw_response.create(
+        model="tiny", input="name three colours", instructions="answer briefly",
+        max_output_tokens=6, temperature=0, extra_headers=pin,
+    )  # fmt: skip
+    assert first.headers["x-data-parallel-rank"] == "1"
+    answer = first.parse()
+    assert answer.status == "completed" and answer.id.startswith("resp_")
+    assert answer.output_text and answer.usage.output_tokens == 6
+    with client.responses.stream(model="tiny", input="name three colours",
+                                 instructions="answer briefly", max_output_tokens=6,
+                                 temperature=0) as stream:  # fmt: skip
+        kinds = [event.type for event in stream]
+        final = stream.get_final_response()
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    assert "response.output_text.delta" in kinds and final.output_text == answer.output_text
+    more = client.responses.create(
+        model="tiny", input="and three more", previous_response_id=answer.id,
+        max_output_tokens=4, temperature=0, extra_headers=pin,
+    )  # fmt: skip
+    assert more.usage.input_tokens > answer.usage.input_tokens
+    assert more.usage.input_tokens_details.cached_tokens > 0  # the first turn's prefix, on rank 1
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model="tiny", input="x", previous_response_id="resp_nope")
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(model="tiny", input="x", store=False,
+                                tools=[{"type": "web_search"}])  # fmt: skip
+    kept_out = client.responses.create(model="tiny", input="x", store=False, max_output_tokens=1)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model="tiny", input="y", previous_response_id=kept_out.id)

@@ -120,3 +120,33 @@ def test_a_limited_tenant_gets_429s_and_the_others_are_served(fleet, tmp_path):
         text = httpx.get(router.url + "/metrics", timeout=10).text
         assert 'dpmesh_router_tenant_rate_limited_total{kind="requests",tenant="small"} 1.0' in text
         assert_idle(router.url)
+
+
+def test_a_responses_continuation_goes_where_its_conversation_is(fleet):
+    """/v1/responses through the router: routed on its input, and each continuation (stream or
+    not) sent to the rank that served the response it continues, where its prefix is cached."""
+    import openai
+
+    from tests.support.router_checks import assert_idle
+
+    _, router = fleet
+    client = openai.OpenAI(base_url=router.url + "/v1", api_key="none")
+    words = " ".join(f"colour{i}" for i in range(40))
+    first = client.responses.with_raw_response.create(
+        model="tiny", input=words, max_output_tokens=4, temperature=0)  # fmt: skip
+    where, previous = first.headers["x-routed-target"], first.parse()
+    for stream in (False, True, False):
+        raw = client.responses.with_raw_response.create(
+            model="tiny", input="go on", previous_response_id=previous.id, max_output_tokens=4,
+            temperature=0, stream=stream,
+        )  # fmt: skip
+        assert raw.headers["x-routed-target"] == where
+        if stream:
+            events = list(raw.parse())
+            assert events[-1].type == "response.completed"
+            answer = events[-1].response
+        else:
+            answer = raw.parse()
+        assert answer.usage.input_tokens_details.cached_tokens > 0
+        previous = answer
+    assert_idle(router.url)

@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 TIME_CHECK_FLOOR_S = 0.02
 # the paths whose prompts fill the prefix cache: any other (embeddings, scoring) is routed by load
 # with nothing predicted cached and nothing inserted into the index
-CACHED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+CACHED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
 TIME_CHECK_RATIO = 0.5
 
 
@@ -94,6 +94,7 @@ class Router:
         ids_by_path: dict[str, list[int] | None] | None = None,
         role: str | None = None,
         path: str | None = None,
+        predict: bool = True,
     ) -> Dispatch:
         """Choose a target and commit: begin its load, insert the request's blocks into the index
         for it (the engine caches them as it prefills), tell the observers. The returned dispatch
@@ -104,7 +105,9 @@ class Router:
         prefill/decode-disaggregated request, among the workers of that role, by its policy;
         ``path``: the OpenAI path it goes to (default by ``chat``): where the chosen worker drops
         the rank pin (``WorkerView.pin_check``), the placement is not believed: no hit is
-        predicted and the index learns nothing from it."""
+        predicted and the index learns nothing from it; nor with ``predict`` False (the engine's
+        prompt is not the one the router sees: a Responses continuation, whose earlier turns are
+        in the engine's store)."""
 
         def allowed(t: Target) -> bool:
             return t.key not in exclude and (rank is None or t.rank == rank)
@@ -143,8 +146,10 @@ class Router:
             self.sessions.record(session, target.key, kept=home is not None)
         shape = shapes[target.key]
         path = path or ("/v1/chat/completions" if chat else "/v1/completions")
-        placed = path in CACHED_PATHS and (
-            target.rank is None or target.worker.pin_check.get(path, True)
+        placed = (
+            predict
+            and path in CACHED_PATHS
+            and (target.rank is None or target.worker.pin_check.get(path, True))
         )
         predicted = self._cached_tokens(target, shape, matched, primary) if placed else 0
         if not placed:  # the engine picks the rank: its blocks are nowhere the index could say

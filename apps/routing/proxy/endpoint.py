@@ -49,6 +49,7 @@ from serving.openai_fields import APIError, rank_hint, strict_json
 PATHS = {
     "/v1/completions": False,
     "/v1/chat/completions": True,
+    "/v1/responses": True,  # routed on its input as chat messages (upstream._responses)
     **dict.fromkeys(
         ("/v1/embeddings", "/v1/rerank", "/v1/score", "/rerank", "/score", "/v1/classify",
          "/classify", "/pooling"),

@@ -96,6 +96,9 @@ async def proxy_request(
     which the overhead it reports is counted."""
     since = time.perf_counter() if since is None else since
     model = body.get("model") if isinstance(body.get("model"), str) else None
+    if path == wire.RESPONSES_PATH:
+        await _responses(router, body, path, send, model, rank, session, since)
+        return
     if path not in CACHED_PATHS:  # embeddings, scoring: routed by load, passed through as sent
         await _attempts(router, body, chat, path, send, model, rank, session, since, {})
         return
@@ -122,14 +125,41 @@ async def proxy_request(
     await _attempts(router, body, chat, path, send, model, rank, session, since, ids_by_path)
 
 
-async def _attempts(router, body, chat, path, send, model, rank, session, since, ids_by_path):
-    """Route and send, retrying on another target while nothing reached the client."""
-    tried: set[str] = set()
+async def _responses(router, body, path, send, model, rank, session, since):
+    """A Responses request: routed cache-aware on its instructions and input as chat messages
+    (``wire.responses_routing_body``); a continuation (``previous_response_id``) goes to the
+    worker that stored the previous response, on its rank while that is not overloaded (the
+    session table's entry for it), with no hit predicted (its earlier turns are in the engine's
+    store, not in what the router sees). Each answer's id is remembered where it was served."""
+    routing = wire.responses_routing_body(body)
+    previous = body.get("previous_response_id")
+    exclude: set[str] = set()
+    if isinstance(previous, str):
+        session = wire.RESPONSE_SESSION + previous
+        home = router.sessions.homes.get(session)
+        if home is not None:  # only that worker stores it: every other is ruled out
+            worker = next((t.worker for t in router.fleet.all_targets() if t.key == home[0]), None)
+            if worker is not None:
+                exclude = {t.key for t in router.fleet.all_targets() if t.worker is not worker}
+    try:
+        ids_by_path = await tokenize_off_loop(routing, True, lambda: router.tokenizer_paths(model))
+    except TooManyTokens:
+        ids_by_path = {}
+    await _attempts(router, body, True, path, send, model, rank, session, since, ids_by_path,
+                    routing=routing, exclude=exclude,
+                    predict=not isinstance(previous, str))  # fmt: skip
+
+
+async def _attempts(router, body, chat, path, send, model, rank, session, since, ids_by_path,
+                    *, routing=None, exclude=frozenset(), predict=True):  # fmt: skip
+    """Route (on ``routing``, else the body) and send, retrying on another target while nothing
+    reached the client."""
+    tried: set[str] = set(exclude)
     last: ProxyError | None = None
     for attempt in range(router.config.max_retries + 1):
         try:
             dispatch = router.route(
-                body,
+                routing or body,
                 chat,
                 model,
                 exclude=tried,
@@ -137,6 +167,7 @@ async def _attempts(router, body, chat, path, send, model, rank, session, since,
                 session=session,
                 ids_by_path=ids_by_path,
                 path=path,
+                predict=predict,
             )
         except NoTarget as exc:
             error = last or ProxyError(503, str(exc), "server_error")
@@ -221,9 +252,13 @@ async def _attempt(
         router.stats.overhead.observe(overhead_s)
         content_type = response.headers.get("content-type", "application/json")
         if response.status == 200 and stream and content_type.startswith("text/event-stream"):
-            await _relay_stream(
-                dispatch, response, wire.wants_usage(body), send, headers, ending, cached_tokens
+            remember = (
+                (lambda first: _remember_response(router, dispatch, first))
+                if path == wire.RESPONSES_PATH
+                else None
             )
+            await _relay_stream(dispatch, response, wire.wants_usage(body), send, headers,
+                                ending, cached_tokens, remember)  # fmt: skip
         else:
             try:
                 content = await response.read()
@@ -232,6 +267,8 @@ async def _attempt(
                 await send_body(send, error.status, error.body())
                 return None
             ending.ok = response.status < 400
+            if ending.ok and path == wire.RESPONSES_PATH:
+                _remember_response(router, dispatch, content)
             if ending.ok and cached_tokens is not None:
                 content = wire.with_cached_tokens(content, cached_tokens)
             ending.usage = wire.usage_from_body(content) if ending.ok else None
@@ -248,10 +285,19 @@ async def _attempt(
             tenants.charge(ending.usage)  # its tenant's tokens a minute (proxy/tenants.py)
 
 
+def _remember_response(router, dispatch, data: bytes) -> None:
+    """A Responses answer's id -> where it was served, for its continuations."""
+    rid = wire.response_id_of(data)
+    if rid is not None:
+        router.sessions.record(wire.RESPONSE_SESSION + rid, dispatch.target.key, kept=False)
+
+
 async def _relay_stream(
-    dispatch, response, client_wants_usage: bool, send, headers, ending, cached_tokens=None
-):
-    """Relay the SSE events as they arrive; a failure mid-stream ends it with an error event."""
+    dispatch, response, client_wants_usage: bool, send, headers, ending, cached_tokens=None,
+    remember=None,
+):  # fmt: skip
+    """Relay the SSE events as they arrive; a failure mid-stream ends it with an error event.
+    ``remember``: given the first event (a Responses stream's, which names its id)."""
     await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS + headers})
     buffer = b""
     try:
@@ -261,6 +307,9 @@ async def _relay_stream(
                 continue
             *events, buffer = buffer.split(b"\n\n")
             dispatch.first_token()  # once: the first event
+            if remember is not None:
+                remember(events[0])
+                remember = None
             out = []
             for event in events:
                 found = wire.usage_of(event)

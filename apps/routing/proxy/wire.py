@@ -227,3 +227,50 @@ def is_usage_only(event: bytes) -> bool:
     except ValueError:
         return False
     return isinstance(data, dict) and data.get("usage") is not None and not data.get("choices")
+
+
+# ----- the Responses API (``/v1/responses``) ---------------------------------------------------
+RESPONSES_PATH = "/v1/responses"
+RESPONSE_SESSION = "resp:"  # a stored response's entry in the router's session table
+
+
+def responses_routing_body(body: dict) -> dict:
+    """What the router routes a Responses request on: its instructions and input as chat
+    messages, rendered as the engine renders them (engine/server/responses.py). The earlier turns
+    of a continuation are in the engine's store, not here: the session table decides where it
+    goes (``RESPONSE_SESSION``)."""
+    messages = []
+    if isinstance(body.get("instructions"), str):
+        messages.append({"role": "system", "content": body["instructions"]})
+    raw = body.get("input")
+    if isinstance(raw, str):
+        messages.append({"role": "user", "content": raw})
+    elif isinstance(raw, list):
+        for item in raw:
+            if not isinstance(item, dict) or not isinstance(item.get("role"), str):
+                continue
+            content = item.get("content")
+            if isinstance(content, list):
+                content = "".join(
+                    p.get("text", "") for p in content if isinstance(p, dict)
+                    and isinstance(p.get("text"), str)
+                )  # fmt: skip
+            if isinstance(content, str):
+                messages.append({"role": item["role"], "content": content})
+    out = {"messages": messages or [{"role": "user", "content": ""}]}
+    if isinstance(body.get("model"), str):
+        out["model"] = body["model"]
+    return out
+
+
+def response_id_of(data: bytes) -> str | None:
+    """A Responses answer's id: of a JSON body, or of a stream's first event
+    (``response.created``)."""
+    start = data.find(b"data: ")
+    obj = json_object(data[start + 6 :] if start >= 0 else data)
+    if obj is None:
+        return None
+    if isinstance(obj.get("response"), dict):
+        obj = obj["response"]
+    rid = obj.get("id")
+    return rid if isinstance(rid, str) and rid.startswith("resp") else None
