@@ -166,6 +166,8 @@ CONTROL_PLANE = namespaced_settings(
         # "RPM[:TPM]" for every other tenant; empty: none.
         "TENANT_LIMITS": "",
         "DEFAULT_TENANT_LIMIT": "",
+        # A request without a cache_salt gets its tenant as one (apps/routing/proxy/tenants.py).
+        "TENANT_CACHE_SALT": False,
         # On SIGTERM/SIGINT: how long in-flight requests may run on (apps/routing/proxy/drain.py).
         "DRAIN_TIMEOUT_S": 25.0,
         # The ASGI server a router process runs under (apps/routing/process.py): uvicorn or

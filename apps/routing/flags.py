@@ -239,6 +239,14 @@ def add_admission_arguments(parser: argparse.ArgumentParser) -> None:
         "CONTROL_PLANE_TENANT_LIMITS)",
     )
     parser.add_argument(
+        "--tenant-cache-salt",
+        action="store_true",
+        default=None,
+        help="a request without a cache_salt gets its tenant (X-Tenant-Id, else the API key's "
+        "key-<sha256 prefix>) as one: tenants share no cached prefix (CONTROL_PLANE_TENANT_CACHE_"
+        "SALT)",
+    )
+    parser.add_argument(
         "--default-tenant-limit",
         default=None,
         metavar="RPM[:TPM]",
@@ -289,6 +297,7 @@ def config_from_settings(**overrides) -> RouterConfig:
         time_check=cp.get("TIME_CHECK", True),
         tenant_limits=tuple(e for e in str(cp.get("TENANT_LIMITS", "")).split(",") if e.strip()),
         default_tenant_limit=cp.get("DEFAULT_TENANT_LIMIT") or None,
+        tenant_cache_salt=cp.get("TENANT_CACHE_SALT", False),
     )
     for key, value in overrides.items():
         if value is not None:
@@ -315,5 +324,6 @@ def config_from_options(opts: dict) -> RouterConfig:
         decode_policy=opts.get("decode_policy"),
         tenant_limits=tuple(opts["tenant_limit"]) if opts.get("tenant_limit") else None,
         default_tenant_limit=opts.get("default_tenant_limit"),
+        tenant_cache_salt=opts.get("tenant_cache_salt"),
         **{field: opts.get(option) for option, field in OPTION_FIELDS.items()},
     )

@@ -7,7 +7,7 @@
 - the pooling and scoring paths pass through (routed by load, nothing predicted cached): the
   engine's /v1/embeddings answer as it is, an engine's 404 on a path it does not serve as it is;
 - tenants: a router with per-tenant limits answers the limited tenant 429 with Retry-After,
-  serves the others, and loses nothing."""
+  serves the others, and loses nothing; with ``--tenant-cache-salt`` tenants share no prefix."""
 
 from __future__ import annotations
 
@@ -98,7 +98,7 @@ def test_a_limited_tenant_gets_429s_and_the_others_are_served(fleet, tmp_path):
     from tests.support.router_checks import assert_idle
 
     engine, _ = fleet
-    flags = ("--tenant-limit", "small=2", "--tenant-limit", "thrifty=100:40")
+    flags = ("--tenant-limit", "small=2", "--tenant-limit", "thrifty=100:40", "--tenant-cache-salt")
     with start_router(tmp_path, [engine.url], "limited", *flags) as router:
         body = {"model": "tiny", "prompt": "a tenant's request", "max_tokens": 2}
 
@@ -117,6 +117,16 @@ def test_a_limited_tenant_gets_429s_and_the_others_are_served(fleet, tmp_path):
         assert post("thrifty", long).status_code == 200  # spends more than its 40 tokens...
         tokens = post("thrifty")
         assert tokens.status_code == 429 and tokens.json()["error"]["type"] == "tokens"
+        # --tenant-cache-salt: each tenant's prefixes are its own, in the engine and the router
+        shared = " ".join(f"shared{i} prefix" for i in range(60))
+
+        def cached(tenant: str) -> int:
+            r = post(tenant, shared)
+            assert r.status_code == 200, r.text
+            return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+        assert cached("acme") == 0 and cached("acme") > 0
+        assert cached("globex") == 0
         text = httpx.get(router.url + "/metrics", timeout=10).text
         assert 'dpmesh_router_tenant_rate_limited_total{kind="requests",tenant="small"} 1.0' in text
         assert_idle(router.url)

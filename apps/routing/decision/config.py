@@ -39,6 +39,9 @@ class RouterConfig:
     # "RPM[:TPM]" for every other tenant (None: only the listed ones are limited)
     tenant_limits: tuple[str, ...] = ()
     default_tenant_limit: str | None = None
+    # a request without a cache_salt gets its tenant as one (Dynamo's x-tenant-id mapping): one
+    # tenant's cached prefixes are never another's, in the engine and in the router's index
+    tenant_cache_salt: bool = False
     # prefill/decode disaggregation (apps/routing/proxy/pd.py): each request's prefill leg goes to
     # a prefill worker's rank (``prefill_policy``, else ``policy``), its decode leg to a decode
     # worker's (``decode_policy``, else ``policy``); ``pd_protocol``: "auto" (by the prefill

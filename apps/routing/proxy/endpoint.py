@@ -134,6 +134,14 @@ class OpenAIEndpoint:
         except ProxyError as exc:
             await send_body(send, exc.status, exc.body())
             return size
+        if (
+            self.router.config.tenant_cache_salt
+            and "cache_salt" not in body
+            and PATHS[path] is not None
+        ):
+            tenant = tenants.tenant_of(scope)
+            if tenant != tenants.ANONYMOUS:  # its prefixes are its own (proxy/tenants.py)
+                body["cache_salt"] = tenant
         if self.tenants.active:  # per-tenant rate limits (proxy/tenants.py): before admission
             tenant = tenants.tenant_of(scope)
             try:
