@@ -166,6 +166,12 @@ class StandIn:
         keep_alive = headers.get("connection", "").lower() != "close"
         path = target.split("?", 1)[0]
         if method == "POST" and path in ("/v1/completions", "/v1/chat/completions"):
+            if headers.get("x-dpmesh-pin-check"):  # the router's pin check: not a test's request
+                rank = json.loads(body or b"{}").get("data_parallel_rank")
+                extra = f"x-data-parallel-rank: {rank}\r\n" if isinstance(rank, int) else ""
+                self._send(writer, 200, {"choices": [{"index": 0, "text": "x"}]}, extra)
+                await writer.drain()
+                return keep_alive
             return await self._generate(path, body, reader, writer) and keep_alive
         if method == "GET" and path in ("/server_info", "/get_server_info") and self.server_info:
             self._send(

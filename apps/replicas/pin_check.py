@@ -37,6 +37,7 @@ from controlplane import http
 logger = logging.getLogger(__name__)
 
 PATHS = ("/v1/completions", "/v1/chat/completions")
+PROBE_HEADER = "x-dpmesh-pin-check"
 COUNTERS = ("dpmesh_engine_requests", "vllm:request_success")
 SETTLE_S = 2.0  # how long a rank's counter may take to show a finished request (ours: 0.25 s)
 
@@ -112,7 +113,11 @@ async def check_pins(url: str, info: dict, api_key: str = "", timeout_s: float =
         served = []
         for rank in pins:
             body = {**_probe(path, model), **dict.fromkeys(fields, rank)}
-            headers = {**http.auth_headers(api_key), "x-data-parallel-rank": str(rank)}
+            headers = {
+                **http.auth_headers(api_key),
+                "x-data-parallel-rank": str(rank),
+                PROBE_HEADER: "1",  # says what it is, in the engine's access log too
+            }
             try:
                 served.append(await _served(url, api_key, path, body, headers, timeout_s))
             except (*http.ERRORS, aiohttp.ClientError):
