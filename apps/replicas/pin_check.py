@@ -5,7 +5,7 @@ An engine may read the pin on one path and drop it on another, and a dropped pin
 "hit" it predicts there is a miss (SGLang 0.5.19 ignores it on ``/v1/responses``: sglang#38729;
 the most reported DP complaint: sglang#9571, ATOM#1501). So discovery asks: for each path the
 router serves and each rank, one request of one token pinned to that rank, in the fields the
-worker's flavour reads (``records.rank_fields`` and the header), and which rank served it. Each
+worker's flavour reads (``discovery.rank_fields`` and the header), and which rank served it. Each
 rank is pinned twice in a row (0, 0, 1, 1, ...): an engine that ignores the pin and balances by
 itself (round robin, least loaded, at random) does not serve that sequence by chance, as it may
 serve 0, 1, ... one request each. The rank that served is read from:
@@ -32,6 +32,7 @@ import time
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from apps.replicas.discovery import rank_fields
 from controlplane import http
 
 logger = logging.getLogger(__name__)
@@ -99,8 +100,6 @@ async def _served(url: str, api_key: str, path: str, body: dict, headers: dict, 
 async def check_pins(url: str, info: dict, api_key: str = "", timeout_s: float = 10.0) -> dict:
     """``{path: {"honoured": bool | None, "served": [rank or None per pinned rank]}}`` for a
     worker of more than one rank; {} for one rank or an engine that takes no pin."""
-    from apps.routing.records import rank_fields
-
     dp_size = info.get("dp_size") or 1
     flavour = info.get("flavour") or "dpmesh"
     if dp_size < 2 or flavour == "openai":

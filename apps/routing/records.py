@@ -8,7 +8,7 @@ import os
 import re
 from urllib.parse import urlsplit
 
-from apps.replicas.discovery import effective_info, role_of
+from apps.replicas.discovery import effective_info, rank_fields, role_of
 from apps.routing.decision.fleet import WorkerView
 from engine.digests import SCHEME
 
@@ -61,41 +61,6 @@ def view_of(worker, tokenizer_path: str | None = None) -> WorkerView:
             info.get("tp_size") or (info.get("kv_transfer_info") or {}).get("tp_size")
         ),
     )
-
-
-# SGLang renamed its rank field to ``routed_dp_rank`` in sglang#19268 (merged 2026-02-24, first
-# in 0.5.9), keeping ``data_parallel_rank`` as a deprecated alias that warns on every request
-ROUTED_DP_RANK_SINCE = (0, 5, 9)
-
-
-def rank_fields(flavour: str, version) -> tuple[str, ...]:
-    """The body fields a worker reads the chosen DP rank from: SGLang's new name for releases
-    that read it, its old one for older releases, both when its version is unknown (an older
-    SGLang ignores the field it does not know; a newer one reads both as the same rank); ours,
-    ATOM's and vLLM's (which reads only the header, sent to every flavour) the old name."""
-    if flavour != "sglang":
-        return ("data_parallel_rank",)
-    release = _release(version)
-    if release is None:
-        return ("routed_dp_rank", "data_parallel_rank")
-    return ("routed_dp_rank",) if release >= ROUTED_DP_RANK_SINCE else ("data_parallel_rank",)
-
-
-def _release(version) -> tuple[int, ...] | None:
-    """(0, 5, 9) from "0.5.9", "0.5.9.post1" or "v0.5.10rc0"; None when it says no numbers."""
-    if not isinstance(version, str):
-        return None
-    numbers = []
-    for part in version.lstrip("v").split(".")[:3]:
-        digits = ""
-        for ch in part:
-            if not ch.isdigit():
-                break
-            digits += ch
-        if not digits:
-            break
-        numbers.append(int(digits))
-    return tuple(numbers) if numbers else None
 
 
 def _positive_int(value) -> int | None:

@@ -54,7 +54,7 @@ def test_the_upstream_body_is_the_clients_plus_the_routers_fields(prompt):
 def test_the_rank_goes_in_the_field_each_flavour_and_release_reads(flavour, version, fields):
     """SGLang renamed its field (sglang#19268, in 0.5.9); the client's own pin fields, whatever
     their name, are replaced by the router's choice."""
-    from apps.routing.records import rank_fields
+    from apps.replicas.discovery import rank_fields
 
     worker = SimpleNamespace(rank_fields=rank_fields(flavour, version))
     dispatch = SimpleNamespace(target=SimpleNamespace(rank=2, worker=worker))

@@ -50,7 +50,9 @@ def upstream_payload(
     if dispatch.target.rank is not None:
         for field in ("data-parallel-rank", "data_parallel_rank", "routed_dp_rank"):
             payload.pop(field, None)  # the router's choice is the one the engine reads
-        for field in dispatch.target.worker.rank_fields:  # by flavour and version (records.py)
+        for (
+            field
+        ) in dispatch.target.worker.rank_fields:  # by flavour and version (discovery.rank_fields)
             payload[field] = dispatch.target.rank
     if stream:
         payload["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
