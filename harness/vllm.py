@@ -111,6 +111,7 @@ def start_vllm(
         "HF_HUB_OFFLINE": "1",
         "VLLM_NO_USAGE_STATS": "1",
         "PYTHONHASHSEED": "0",  # both ranks hash alike (vllm-cpu.md)
+        "VLLM_ENABLE_RESPONSES_API_STORE": "1",  # previous_response_id (off by default in vLLM)
         "VIRTUAL_ENV": str(venv),
         "PATH": f"{venv / 'bin'}:{os.environ.get('PATH', '')}",
         "PYTHONPATH": "",

