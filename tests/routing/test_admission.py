@@ -83,6 +83,35 @@ async def test_waiters_are_served_by_priority_lower_first_then_in_arrival_order(
     admission.check_integrity()
 
 
+async def test_tenants_share_the_queue_fairly_within_a_priority():
+    """A tenant that floods the queue waits behind another tenant's first request: at the same
+    priority the waiter whose tenant has the fewest requests admitted goes next; priority first."""
+    admission = Admission(max_concurrent=1, queue_size=20, queue_timeout_s=5)
+    running = await admission.acquire(tenant="flood")
+    granted: list = []
+
+    def wait(name, tenant, priority=0):
+        async def go():
+            slot = await admission.acquire(priority, tenant)
+            granted.append(name)
+            return slot
+
+        return asyncio.ensure_future(go())
+
+    tasks = [wait(f"flood{i}", "flood") for i in range(3)] + [wait("quiet", "quiet")]
+    tasks.append(wait("urgent", "flood", priority=-1))
+    await settle()
+    running.release()
+    for _ in range(len(tasks)):
+        await settle()
+        slot = next(t for t in tasks if t.done() and not t.result().released).result()
+        slot.release()
+    # urgent first (priority), then quiet (no request of its tenant admitted), then the flood
+    assert granted == ["urgent", "quiet", "flood0", "flood1", "flood2"]
+    assert admission.admitted_by_tenant == {} and admission.in_flight == 0
+    admission.check_integrity()
+
+
 async def test_a_full_queue_rejects_at_once_with_429_in_openais_rate_limit_shape():
     admission = Admission(max_concurrent=1, queue_size=1, queue_timeout_s=7)
     holder = await admission.acquire()

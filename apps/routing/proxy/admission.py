@@ -10,6 +10,9 @@ A request is admitted (``Admission.acquire`` returns a ``Slot``) when
   where its KV usage is known, below ``--saturation-kv-usage``. Both 0: the rule is off.
 
 Otherwise it waits in one queue, the lowest ``X-Priority`` first (vLLM's order), then by arrival.
+Within a priority, tenants (proxy/tenants.py: ``X-Tenant-Id`` or the API key) share the queue
+fairly: the waiter whose tenant has the fewest requests admitted now plus granted lately goes
+first (``_next``), so one tenant's burst does not hold the others behind it.
 When ``--queue-size`` requests are waiting already, or it could no longer have its first token
 within ``--queue-timeout-secs`` of its arrival, it is ``Rejected``: 429 with ``Retry-After``, in
 OpenAI's rate-limit shape. "Could no longer": its wait so far plus the time the engines took
@@ -55,6 +58,8 @@ REASONS = ("queue_full", "timeout", "draining")
 DRAIN_RETRY_AFTER_S = 1  # the process is going away: retry soon (a load balancer: elsewhere)
 HOLD_EWMA = 0.2  # weight of the newest slot hold time in the estimate behind Retry-After
 FIRST_TOKEN_WINDOW = 64  # recent dispatch-to-first-token times a waiter's deadline allows for
+FAIR_HALF_LIFE_S = 10.0  # how long a tenant's grants count against its next turn in the queue
+MAX_TENANTS_KEPT = 10_000  # tenants remembered for that, before the forgotten are dropped
 
 
 class Rejected(Exception):
@@ -80,10 +85,11 @@ class Rejected(Exception):
 class Slot:
     """One admitted request's place; ``release`` gives it back (once, however often called)."""
 
-    __slots__ = ("_admission", "granted_at", "released")
+    __slots__ = ("_admission", "granted_at", "released", "tenant")
 
-    def __init__(self, admission: Admission, granted_at: float):
+    def __init__(self, admission: Admission, granted_at: float, tenant: str | None = None):
         self._admission, self.granted_at, self.released = admission, granted_at, False
+        self.tenant = tenant
 
     def release(self) -> None:
         if not self.released:
@@ -92,11 +98,12 @@ class Slot:
 
 
 class _Waiter:
-    __slots__ = ("arrived", "future", "queued", "timer")
+    __slots__ = ("arrived", "future", "queued", "timer", "tenant")
 
-    def __init__(self, arrived: float, future: asyncio.Future):
+    def __init__(self, arrived: float, future: asyncio.Future, tenant: str | None = None):
         self.arrived, self.future, self.queued = arrived, future, True
         self.timer: asyncio.TimerHandle | None = None
+        self.tenant = tenant
 
 
 class Admission(DispatchObserver):
@@ -130,27 +137,30 @@ class Admission(DispatchObserver):
         self._hold_s: float | None = None  # how long a slot is held, on average lately
         self._first_token_s: deque[float] = deque(maxlen=FIRST_TOKEN_WINDOW)
         self._kick_pending = self._poll_pending = False
+        # fair share between tenants (``_next``): admitted now, and granted lately (decayed)
+        self.admitted_by_tenant: dict[str, int] = {}
+        self._granted_lately: dict[str, tuple[float, float]] = {}  # tenant -> (count, at)
 
     # ----- the request's side ---------------------------------------------------------------------
-    async def acquire(self, priority: int = 0) -> Slot:
+    async def acquire(self, priority: int = 0, tenant: str | None = None) -> Slot:
         """Admit a request: at once when it can go and nobody waits, else when its turn comes.
         Raises ``Rejected``. Cancelled while waiting (the client left), it leaves the queue, and a
         slot granted in the same instant is released."""
         if self.draining:
             raise self._reject("draining", "the router is shutting down; retry elsewhere or later")
         if not self.waiting and self._slot_free() and not self._fleet_saturated():
-            return self._grant(0.0)
+            return self._grant(0.0, tenant)
         if self.waiting >= self.queue_size:
             raise self._reject(
                 "queue_full",
                 f"the router is at capacity: {self.in_flight} requests admitted, {self.waiting} "
                 f"waiting (the queue holds {self.queue_size}); retry later",
             )
-        return await self._wait(priority)
+        return await self._wait(priority, tenant)
 
-    async def _wait(self, priority: int) -> Slot:
+    async def _wait(self, priority: int, tenant: str | None) -> Slot:
         loop = asyncio.get_running_loop()
-        waiter = _Waiter(self.clock(), loop.create_future())
+        waiter = _Waiter(self.clock(), loop.create_future(), tenant)
         heapq.heappush(self._heap, (priority, next(self._order), waiter))
         self.waiting += 1
         self._arm(waiter)
@@ -167,13 +177,31 @@ class Admission(DispatchObserver):
             if waiter.timer is not None:
                 waiter.timer.cancel()
 
-    def _grant(self, waited_s: float) -> Slot:
+    def _grant(self, waited_s: float, tenant: str | None = None) -> Slot:
         self.in_flight += 1
         self.wait_time.observe(waited_s)
-        return Slot(self, self.clock())
+        if tenant is not None:
+            self.admitted_by_tenant[tenant] = self.admitted_by_tenant.get(tenant, 0) + 1
+            now = self.clock()
+            self._granted_lately[tenant] = (self._lately(tenant, now) + 1.0, now)
+            if len(self._granted_lately) > MAX_TENANTS_KEPT:
+                self._granted_lately = {
+                    t: v for t, v in self._granted_lately.items() if self._lately(t, now) > 0.01
+                }
+        return Slot(self, self.clock(), tenant)
+
+    def _lately(self, tenant: str, now: float) -> float:
+        count, at = self._granted_lately.get(tenant, (0.0, now))
+        return count * math.exp2(-(now - at) / FAIR_HALF_LIFE_S)
 
     def _released(self, slot: Slot) -> None:
         self.in_flight -= 1
+        if slot.tenant is not None:
+            left = self.admitted_by_tenant.get(slot.tenant, 0) - 1
+            if left > 0:
+                self.admitted_by_tenant[slot.tenant] = left
+            else:
+                self.admitted_by_tenant.pop(slot.tenant, None)
         held = self.clock() - slot.granted_at
         self._hold_s = (
             held if self._hold_s is None else self._hold_s + HOLD_EWMA * (held - self._hold_s)
@@ -236,7 +264,7 @@ class Admission(DispatchObserver):
 
     def _dispatch(self) -> None:
         self._kick_pending = False
-        waiter = self._head()
+        waiter = self._next()
         if waiter is None or not self._slot_free():
             return  # a release kicks again
         if self._fleet_saturated():
@@ -246,11 +274,29 @@ class Admission(DispatchObserver):
             self._expire(waiter)
             self._kick()
             return
-        heapq.heappop(self._heap)
-        self._leave(waiter)
-        waiter.future.set_result(self._grant(self.clock() - waiter.arrived))
+        self._leave(waiter)  # out of the heap lazily (``_head``)
+        waiter.future.set_result(self._grant(self.clock() - waiter.arrived, waiter.tenant))
         if self.waiting:  # after the granted one has routed: its load then counts
             self._kick()
+
+    def _next(self) -> _Waiter | None:
+        """Who goes next: of the waiters at the best priority, the one whose tenant has the
+        fewest requests admitted now plus granted lately (a decayed count, ``FAIR_HALF_LIFE_S``),
+        then the first to arrive: a tenant that floods the queue waits behind the others' first
+        requests, not ahead of them. In arrival order when the head says no tenant."""
+        head = self._head()
+        if head is None or head.tenant is None:
+            return head
+        best, now = self._heap[0][0], self.clock()
+
+        def share(entry) -> tuple[float, int]:
+            tenant = entry[2].tenant
+            if tenant is None:
+                return 0.0, entry[1]
+            return self.admitted_by_tenant.get(tenant, 0) + self._lately(tenant, now), entry[1]
+
+        waiting = (entry for entry in self._heap if entry[0] == best and entry[2].queued)
+        return min(waiting, key=share)[2]
 
     def _head(self) -> _Waiter | None:
         while self._heap and not self._heap[0][2].queued:

@@ -134,16 +134,13 @@ class OpenAIEndpoint:
         except ProxyError as exc:
             await send_body(send, exc.status, exc.body())
             return size
-        if (
-            self.router.config.tenant_cache_salt
-            and "cache_salt" not in body
-            and PATHS[path] is not None
-        ):
-            tenant = tenants.tenant_of(scope)
-            if tenant != tenants.ANONYMOUS:  # its prefixes are its own (proxy/tenants.py)
-                body["cache_salt"] = tenant
-        if self.tenants.active:  # per-tenant rate limits (proxy/tenants.py): before admission
-            tenant = tenants.tenant_of(scope)
+        # the request's tenant (proxy/tenants.py): its rate limits, its cache salt when asked
+        # for, its fair share of the admission queue
+        tenant = tenants.tenant_of(scope)
+        salted = self.router.config.tenant_cache_salt and PATHS[path] is not None
+        if salted and "cache_salt" not in body and tenant != tenants.ANONYMOUS:
+            body["cache_salt"] = tenant  # its prefixes are its own
+        if self.tenants.active:  # rate limits: before admission
             try:
                 self.tenants.admit(tenant)
             except tenants.RateLimited as exc:
@@ -153,7 +150,7 @@ class OpenAIEndpoint:
         # the wait for admission runs under until_disconnect too: a client that leaves the queue
         # cancels it
         session = session_of(body, scope.get("headers"))
-        serve = self._serve(body, path, send, pin, priority, session, arrived)
+        serve = self._serve(body, path, send, pin, priority, session, arrived, tenant)
         await until_disconnect(serve, receive)
         return size
 
@@ -166,13 +163,14 @@ class OpenAIEndpoint:
         priority: int,
         session: str | None,
         arrived: float,
+        tenant: str | None = None,
     ) -> None:
         """Admit the request (or answer why not), then proxy it, retries included; the slot is
         released however that ends. The router's overhead counts from ``arrived``, less the
-        wait for admission."""
+        wait for admission; ``tenant`` gets its fair share of the queue."""
         try:
             asked = time.perf_counter()
-            slot = await self.admission.acquire(priority)
+            slot = await self.admission.acquire(priority, tenant)
             arrived += time.perf_counter() - asked
         except Rejected as exc:
             await send_body(send, exc.status, exc.body(), headers=exc.headers())
