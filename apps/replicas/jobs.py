@@ -24,6 +24,7 @@ from apps.replicas.discovery import (
     DiscoveryError,
     effective_info,
     fetch_server_info,
+    role_of,
     stable_info,
 )
 from apps.replicas.models import RankSample, Worker, WorkerEvent
@@ -211,7 +212,8 @@ def refresh_discovery(timeout: float = 10.0) -> dict[str, int]:
         checked += 1
         if stable_info(info) == stable_info(worker.server_info):
             continue
-        if worker.dp_aware and settings.CONTROL_PLANE["PIN_CHECK"]:  # rediscovered: ask again
+        pd_leg = role_of(effective_info(info, worker.overrides)) is not None
+        if worker.dp_aware and settings.CONTROL_PLANE["PIN_CHECK"] and not pd_leg:  # ask again
             info["pin_check"] = http.run(check_pins, worker.url, info, worker.api_key)
         try:
             save_worker(url=worker.url, api_key=worker.api_key, dp_aware=worker.dp_aware, info=info)

@@ -20,7 +20,9 @@ null when unknown) and ``served`` (the rank that answered each pin, in the order
 false is routed without believing the placement (``Router.route``: no predicted hits, nothing
 inserted into the index for it), counted on ``/metrics`` (``dpmesh_router_pin_honoured``) and
 logged; ``GET /workers`` shows it. The probes are 1-token prompts (no full block: nothing enters
-any cache) with ``max_tokens: 1``; ``CONTROL_PLANE_PIN_CHECK=false`` turns the check off.
+any cache) with ``max_tokens: 1``; ``CONTROL_PLANE_PIN_CHECK=false`` turns the check off. A
+prefill or decode worker is not probed: a plain request to one may wait for a bootstrap or a
+transfer that never comes (SGLang's); its legs carry their ranks in the handshake.
 """
 
 from __future__ import annotations

@@ -131,7 +131,13 @@ async def worker_add(
         info = await fetch_server_info(url, api_key)
         dp_size_of(info)
         if dp_aware and settings.CONTROL_PLANE["PIN_CHECK"]:
-            info["pin_check"] = await check_pins(url, info, api_key)
+            if overrides is None:  # a re-registration keeps the overrides it had
+                known = await Worker.objects.filter(url=url).afirst()
+                registered = known.overrides if known is not None else {}
+            else:
+                registered = overrides
+            if role_of(effective_info(info, registered)) is None:  # a PD leg is not probed
+                info["pin_check"] = await check_pins(url, info, api_key)
     except DiscoveryError as exc:
         if strict:
             raise

@@ -206,8 +206,10 @@ def test_a_decode_worker_killed_mid_workload_hangs_nothing_and_leaks_nothing(pd,
 def test_workers_and_metrics_say_each_workers_role(pd):
     prefill, decode, routers = pd
     url = routers["vllm"].url
-    roles = {w["url"]: w["role"] for w in httpx.get(url + "/workers", timeout=10).json()["workers"]}
+    workers = httpx.get(url + "/workers", timeout=10).json()["workers"]
+    roles = {w["url"]: w["role"] for w in workers}
     assert roles == {prefill.url: "prefill", decode.url: "decode"}
+    assert all(w["pins"] == {} for w in workers)  # a PD leg is not probed (pin_check.py)
     text = httpx.get(url + "/metrics", timeout=10).text
     assert f'dpmesh_router_target_role{{rank="1",role="decode",target="{decode.url}@1"' in text
 
