@@ -113,15 +113,28 @@ def log_in(driver, router_url: str) -> None:
 
 
 def run_workload(router_url: str, samples) -> threading.Thread:
-    def go():
-        asyncio.run(
-            send_samples(
-                RunOptions(base_url=router_url, model="tiny", max_concurrency=2, progress=False),
-                samples,
+    """Half the samples pinned to each rank (a client's pin, which the router honours): every
+    rank sees hits whatever the routing would have done (the test is about the dashboard; with
+    4 prefixes at concurrency 2 cache_aware once kept all of them on one rank)."""
+
+    async def both():
+        await asyncio.gather(
+            *(
+                send_samples(
+                    RunOptions(
+                        base_url=router_url,
+                        model="tiny",
+                        max_concurrency=1,
+                        progress=False,
+                        extra_body={"data_parallel_rank": rank},
+                    ),
+                    samples[rank::DP],
+                )  # fmt: skip
+                for rank in range(DP)
             )
         )
 
-    thread = threading.Thread(target=go, daemon=True)
+    thread = threading.Thread(target=lambda: asyncio.run(both()), daemon=True)
     thread.start()
     return thread
 
