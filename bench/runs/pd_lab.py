@@ -98,15 +98,14 @@ class PDReplay(routing_lab.Replay):
 
     def __init__(self, router, clock: VirtualClock, ranks: dict[str, RankSim], profile,
                  block_size: int, concurrency, waiting):  # fmt: skip
-        super().__init__([], router, clock, concurrency, waiting)
-        self.by_key = ranks
+        super().__init__(ranks, router, clock, concurrency, waiting)  # ranks by target key
         self.profile, self.block_size = profile, block_size
         self.running_area: dict[str, float] = dict.fromkeys(ranks, 0.0)  # running x seconds
         self.last_change: dict[str, float] = dict.fromkeys(ranks, 0.0)
 
     def _account(self, key: str) -> None:
         """Integrate ``key``'s running requests over time up to now (decode balance)."""
-        rank = self.by_key[key]
+        rank = self.ranks[key]
         self.running_area[key] += len(rank.flights) * (self.clock.now - self.last_change[key])
         self.last_change[key] = self.clock.now
 
@@ -118,23 +117,15 @@ class PDReplay(routing_lab.Replay):
         flight.prefill = self.router.route({"prompt": flight.prompt}, False, None, role="prefill")
         flight.prefill_key = key = flight.prefill.target.key
         rid = f"p{next(self.order)}"
-        rank = self.by_key[key]
+        rank = self.ranks[key]
         rank.engine.add_request(rid, flight.prompt, SamplingParams(max_tokens=1), hold_key=rid)
         self._account(key)
         rank.flights[rid] = flight
         if not rank.busy:
             self.start_step(key)
 
-    def start_step(self, key: str) -> None:
-        rank = self.by_key[key]
-        runner = rank.engine.runner
-        before = runner.modeled_s
-        outputs = rank.engine.step()
-        rank.busy = True
-        self.push(self.clock.now + runner.modeled_s - before, "step", (key, outputs))
-
     def step_done(self, key: str, outputs) -> None:
-        rank = self.by_key[key]
+        rank = self.ranks[key]
         for out in outputs:
             flight = rank.flights[out.request_id]
             if flight.prefill_key == key and flight.decode is None:
@@ -171,7 +162,7 @@ class PDReplay(routing_lab.Replay):
 
         flight.decode = self.router.route({"prompt": flight.prompt}, False, None, role="decode")
         flight.decode_key = key = flight.decode.target.key
-        engine = self.by_key[key].engine
+        engine = self.ranks[key].engine
         usable = (len(flight.prompt) - 1) // self.block_size
         seq = Sequence(flight.prompt, SamplingParams(), block_size=self.block_size)
         first = len(engine.block_manager.cached_prefix(seq, usable))
@@ -182,8 +173,8 @@ class PDReplay(routing_lab.Replay):
     def pulled(self, flight: PDFlight, hold_key: str, first: int, count: int) -> None:
         from engine.sampling_params import SamplingParams
 
-        self.by_key[flight.prefill_key].engine.release_held(hold_key)
-        rank = self.by_key[flight.decode_key]
+        self.ranks[flight.prefill_key].engine.release_held(hold_key)
+        rank = self.ranks[flight.decode_key]
         if count:
             rank.engine.import_prefix(flight.prompt, first, b"", count)
         rid = f"d{next(self.order)}"

@@ -133,7 +133,8 @@ class Replay:
     (time, order, kind, payload), in time order. ``order`` breaks ties and names requests, so a
     replay is deterministic."""
 
-    def __init__(self, ranks: list[RankSim], router, clock: VirtualClock, concurrency, waiting):
+    def __init__(self, ranks: list[RankSim] | dict, router, clock: VirtualClock, concurrency,
+                 waiting):  # fmt: skip
         self.ranks, self.router, self.clock = ranks, router, clock
         self.concurrency = concurrency
         self.waiting = waiting  # closed loop: the next to send is last
@@ -161,8 +162,9 @@ class Replay:
         if not rank.busy:
             self.start_step(flight.rank)
 
-    def start_step(self, r: int) -> None:
-        """Run rank ``r``'s next step now; its outputs arrive after its modeled time."""
+    def start_step(self, r) -> None:
+        """Run rank ``r``'s next step now (``r``: its index in ``ranks``, or its key where
+        ``ranks`` is a dict: the PD lab's); its outputs arrive after its modeled time."""
         rank = self.ranks[r]
         runner = rank.engine.runner
         before = runner.modeled_s

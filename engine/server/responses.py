@@ -193,6 +193,10 @@ class EventWriter:
         self.seq += 1
         return kind, payload
 
+    def part_event(self, kind: str, **fields) -> tuple[str, dict]:
+        """An event about the one text part of the one output message."""
+        return self.event(kind, item_id=self.item_id, output_index=0, content_index=0, **fields)
+
     def opening(self) -> list[tuple[str, dict]]:
         started = response_object(self.rid, self.model, self.body, "in_progress", None, None,
                                   self.created)  # fmt: skip
@@ -202,42 +206,20 @@ class EventWriter:
             self.event("response.created", response=started),
             self.event("response.in_progress", response=started),
             self.event("response.output_item.added", output_index=0, item=item),
-            self.event(
-                "response.content_part.added",
-                item_id=self.item_id,
-                output_index=0,
-                content_index=0,
-                part=part,
-            ),  # fmt: skip
+            self.part_event("response.content_part.added", part=part),
         ]
 
     def delta(self, text: str) -> tuple[str, dict]:
-        return self.event("response.output_text.delta", item_id=self.item_id, output_index=0,
-                          content_index=0, delta=text)  # fmt: skip
+        return self.part_event("response.output_text.delta", delta=text)
 
     def closing(self, text: str, use: dict) -> list[tuple[str, dict]]:
         part = {"type": "output_text", "text": text, "annotations": []}
         done = response_object(self.rid, self.model, self.body, "completed", text, use,
                                self.created)  # fmt: skip
+        item = message_item(self.rid, text, "completed")
         return [
-            self.event(
-                "response.output_text.done",
-                item_id=self.item_id,
-                output_index=0,
-                content_index=0,
-                text=text,
-            ),  # fmt: skip
-            self.event(
-                "response.content_part.done",
-                item_id=self.item_id,
-                output_index=0,
-                content_index=0,
-                part=part,
-            ),  # fmt: skip
-            self.event(
-                "response.output_item.done",
-                output_index=0,
-                item=message_item(self.rid, text, "completed"),
-            ),  # fmt: skip
+            self.part_event("response.output_text.done", text=text),
+            self.part_event("response.content_part.done", part=part),
+            self.event("response.output_item.done", output_index=0, item=item),
             self.event("response.completed", response=done),
         ]

@@ -270,7 +270,7 @@ class CacheAware(Policy):
         )
 
 
-class DecodeLeg:
+class DecodeLeg(Policy):
     """The decode leg of a prefill/decode-disaggregated request (``Router.route(role="decode")``
     under cache_aware): its prompt is computed already, on the prefill side. On a decode rank it
     costs a pull of the prompt's blocks the rank lacks (the transfer: ~0.1x of computing them on
@@ -288,7 +288,7 @@ class DecodeLeg:
 
     def __init__(self, rng=None, context_tokens_per_seat: float = 32768.0,
                  transfer_tokens_per_seat: float = 65536.0, slack: float = 0.5):  # fmt: skip
-        self.rng = rng or random.Random()
+        super().__init__(rng)
         self.context_tokens_per_seat = context_tokens_per_seat
         self.transfer_tokens_per_seat = transfer_tokens_per_seat
         self.slack = slack
