@@ -2,6 +2,8 @@
 
 * ``prefix_repetition`` -- vLLM's: ``num_prefixes`` random-token prefixes, each followed by
   ``num_prompts // num_prefixes`` fresh random suffixes, then shuffled.
+* ``zipf_prefixes`` -- like ``prefix_repetition``, but each prompt's prefix is drawn from a
+  zipf distribution over the prefixes: a few hot ones and a long tail.
 * ``random`` -- vLLM's ``random`` with a zero range ratio: independent random prompts of a fixed
   length (no shared prefix), used to compare raw serving speed.
 * ``multi_turn`` -- chat conversations sharing one system prompt; the runner sends turn k+1 of a
@@ -136,6 +138,37 @@ def prefix_repetition(
             )
     rng.shuffle(samples)
     return samples
+
+
+def zipf_prefixes(
+    *,
+    num_prompts: int,
+    prefix_len: int,
+    suffix_len: int,
+    num_prefixes: int,
+    zipf_s: float,
+    output_len: int,
+    seed: int,
+    allowed: list[int],
+    tokenizer=None,
+    as_text: bool = False,
+) -> list[SampleRequest]:
+    """Skewed prefix sharing: each prompt draws its prefix ``k`` (0-based) with probability
+    proportional to ``1 / (k + 1) ** zipf_s``, then a fresh suffix. A few hot prefixes carry most
+    of the traffic and a long tail carries the rest: a router that keeps every prefix on one rank
+    piles the hot ones up, one that spreads them all loses the tail's hits."""
+    rng = random.Random(seed)
+    draw = (
+        (lambda n: text_stable_ids(rng, allowed, n, tokenizer))
+        if as_text
+        else (lambda n: random_ids(rng, allowed, n))
+    )
+    prefixes = [draw(prefix_len) for _ in range(num_prefixes)]
+    weights = [1.0 / (k + 1) ** zipf_s for k in range(num_prefixes)]
+    groups = rng.choices(range(num_prefixes), weights=weights, k=num_prompts)
+    return [
+        _sample(prefixes[g] + draw(suffix_len), output_len, g, tokenizer, as_text) for g in groups
+    ]
 
 
 def random_prompts(
