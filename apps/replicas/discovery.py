@@ -65,7 +65,7 @@ async def fetch_server_info(url: str, api_key: str = "", timeout_s: float = 10.0
         )
         if status == 200 and "vllm:" in metrics:
             sources = await _kv_event_sources(url, api_key, timeout_s)
-            return vllm_info(models[0], metrics, sources)
+            return vllm_info(models, metrics, sources)
         return {
             "dp_size": 1,
             "model_id": models[0].get("id"),
@@ -141,8 +141,11 @@ _CACHE_CONFIG = re.compile(r"^vllm:cache_config_info\{([^}]*)\}", re.M)
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
-def vllm_info(model: dict, metrics: str, kv_event_sources: dict | None) -> dict:
-    """The ``server_info`` of a vLLM server, from its model entry and its Prometheus text."""
+def vllm_info(models: list[dict], metrics: str, kv_event_sources: dict | None) -> dict:
+    """The ``server_info`` of a vLLM server, from its ``/v1/models`` entries and its Prometheus
+    text. The base model is the first entry without a ``parent``; the entries with one are its
+    LoRA adapters (``--lora-modules``, or loaded at run time), as ``lora_modules``."""
+    model = next((m for m in models if not m.get("parent")), models[0])
     engines = sorted({int(n) for n in _ENGINE_LABEL.findall(metrics)})
     dp_size = len(engines) or 1
     config = {}
@@ -173,6 +176,14 @@ def vllm_info(model: dict, metrics: str, kv_event_sources: dict | None) -> dict:
         info["prefix_caching_hash_algo"] = config["prefix_caching_hash_algo"]
     if config.get("enable_prefix_caching"):
         info["enable_prefix_caching"] = config["enable_prefix_caching"] == "True"
+    adapters = [
+        {"name": m["id"], "path": m.get("root")}
+        for m in models
+        if m.get("parent") and isinstance(m.get("id"), str)
+    ]
+    if adapters:
+        info["lora_modules"] = adapters
+        info["sources"]["lora_modules"] = "/v1/models entries with a parent"
     if kv_event_sources:
         info["kv_event_sources"] = kv_event_sources
         info["sources"]["kv_event_sources"] = "/kv_event_sources"

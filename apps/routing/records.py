@@ -24,13 +24,15 @@ def view_of(worker, tokenizer_path: str | None = None) -> WorkerView:
     own = own if own and os.path.isdir(own) else None
     block = info.get("block_size") or info.get("page_size")
     ours = path and block and info.get("prefix_digest") == SCHEME
+    adapters = lora_adapters(info)
     aliases = {a for a in (worker.served_model_name, worker.model_id, info.get("model_path")) if a}
     return WorkerView(
         worker_id=worker.id,
         url=worker.url.rstrip("/"),
         api_key=worker.api_key,
         model=worker.model_name,
-        model_aliases=aliases,
+        model_aliases=aliases | adapters,
+        adapters=adapters,
         dp_size=worker.dp_size,
         dp_aware=worker.dp_aware,
         block_size=block if path else None,
@@ -61,6 +63,17 @@ def view_of(worker, tokenizer_path: str | None = None) -> WorkerView:
             info.get("tp_size") or (info.get("kv_transfer_info") or {}).get("tp_size")
         ),
     )
+
+
+def lora_adapters(info: dict) -> frozenset[str]:
+    """The LoRA adapters a worker serves (``lora_modules``: ours in /server_info, vLLM's from
+    /v1/models), by the names a request's ``model`` selects them with."""
+    names = set()
+    for module in info.get("lora_modules") or ():
+        name = module.get("name") if isinstance(module, dict) else module
+        if isinstance(name, str) and name:
+            names.add(name)
+    return frozenset(names)
 
 
 def _positive_int(value) -> int | None:

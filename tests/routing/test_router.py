@@ -245,6 +245,39 @@ def test_an_unknown_model_name_is_served_when_only_one_model_is(tiny_path):
     assert routed.target.worker.model == "tiny"
 
 
+def test_a_lora_adapter_goes_to_its_workers_and_keys_its_own_blocks(tiny_path):
+    """A request naming a LoRA adapter as its ``model`` goes only to workers that serve it, and
+    its blocks are the adapter's (engine/digests.py ``namespace``): the same prompt under the base
+    model or another adapter predicts no hit on them, the same adapter again does."""
+    from engine.digests import namespace
+
+    router = Router(RouterConfig(policy="cache_aware"), rng=random.Random(0))
+    for worker_id, adapters in ((1, frozenset({"sql", "poems"})), (2, frozenset())):
+        view = worker_view(worker_id, dp_size=1, tokenizer_path=tiny_path, adapters=adapters)
+        view.model_aliases |= adapters
+        router.fleet.put(view)
+    router.sync_capacity()
+    prompt = {"prompt": " ".join(f"word{i}" for i in range(80))}
+    ids = load_tokenizer(tiny_path).encode(prompt["prompt"])
+
+    def send(model):
+        routed = router.route(prompt, False, model)
+        routed.finish(ok=True)
+        return routed
+
+    sql = send("sql")
+    assert sql.target.key == "http://w1@0" and sql.predicted_tokens == 0
+    assert sql.shape.digests == chain_digests(ids, 16, namespace(None, "sql"))
+    assert send("sql").predicted_tokens > 0  # the adapter's own blocks
+    for other in ("poems", "tiny"):  # another adapter, the base model: nothing shared
+        routed = router.route(prompt, False, other)
+        routed.finish(ok=True)
+        assert routed.predicted_tokens == 0, other
+    salted = router.route({**prompt, "cache_salt": "t1"}, False, "sql")
+    assert salted.shape.digests[0] == chain_digests(ids, 16, namespace("t1", "sql"))[0]
+    assert salted.predicted_tokens == 0
+
+
 def test_set_policy_switches_policy(tiny_path):
     router = make_router(tiny_path)
     assert isinstance(router.policy, CacheAware)

@@ -39,23 +39,25 @@ def test_stored_blocks_become_our_chained_digests_through_parent_hashes():
 
 def test_a_salted_chain_is_its_tenants_digests():
     """vLLM 0.32 says a chain's first block's ``cache_salt`` in its untagged ``extra_keys`` (after
-    the LoRA name, when there is one): the digests are the salted request's, as the router keys
-    it (request_shape.tenant_namespace), never the unsalted prompt's."""
+    the LoRA name, when there is one): the digests are the salted (and adapted) request's, as the
+    router keys it (request_shape.tenant_namespace), never the unsalted prompt's."""
     from engine.digests import namespace
 
     salted = chain_digests(TOKENS, BS, namespace("tenant-a"))
+    adapted = chain_digests(TOKENS, BS, namespace("tenant-a", "my-lora"))
+    assert adapted[0] not in (salted[0], chain_digests(TOKENS, BS, namespace("my-lora"))[0])
     cases = [
-        ([("tenant-a",), None], None),
-        ([("my-lora", "tenant-a"), None], "my-lora"),
-        ([(("mm", 0), "tenant-a"), None], None),
+        ([("tenant-a",), None], None, salted),
+        ([("my-lora", "tenant-a"), None], "my-lora", adapted),  # the adapter's own chain
+        ([(("mm", 0), "tenant-a"), None], None, salted),
     ]
-    for extra, lora in cases:
+    for extra, lora, want in cases:
         decoder = RankDecoder(BS)
         event = {**stored_map([11, 12], None, TOKENS[:8]), "extra_keys": extra, "lora_name": lora}
         first = decoder.decode(0, payload(event))
-        assert first.events == [("stored", salted[:2])], (extra, lora)
+        assert first.events == [("stored", want[:2])], (extra, lora)
         second = decoder.decode(1, payload(stored_map([13], 12, TOKENS[8:12])))
-        assert second.events == [("stored", [salted[2]])]
+        assert second.events == [("stored", [want[2]])]
     decoder = RankDecoder(BS)  # no salt: the plain chain
     plain = {**stored_map([11], None, TOKENS[:4]), "extra_keys": [None]}
     assert decoder.decode(0, payload(plain)).events == [("stored", DIGESTS[:1])]

@@ -22,7 +22,7 @@ class WorkerView:
     url: str
     api_key: str
     model: str
-    model_aliases: set[str]
+    model_aliases: set[str]  # the names a request's ``model`` may use, its adapters' included
     dp_size: int
     dp_aware: bool
     block_size: int | None  # None: a foreign engine, no token digests
@@ -54,6 +54,9 @@ class WorkerView:
     pin_check: dict[str, bool] = field(default_factory=dict)
     # the body fields the chosen rank goes in (proxy/wire.py ``rank_fields``: by flavour/version)
     rank_fields: tuple[str, ...] = ("data_parallel_rank",)
+    # LoRA adapters it serves (a request names one as its ``model``): their blocks are keyed
+    # apart from the base model's and each other's (engine/digests.py ``namespace``)
+    adapters: frozenset[str] = frozenset()
     # vLLM: one ZMQ endpoint per rank for its KV events (apps/routing/feeds/vllm_events.py)
     zmq_kv_events: tuple[str, ...] = ()
     # and its replay sockets, one per rank (None: that rank has none), when it has them

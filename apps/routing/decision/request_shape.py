@@ -115,12 +115,13 @@ def routing_text(body: dict, chat: bool) -> str:
     return prompt if isinstance(prompt, str) else str(prompt)
 
 
-def tenant_namespace(body: dict) -> int | None:
+def tenant_namespace(body: dict, adapter: str | None = None) -> int | None:
     """The parent of the prompt's first block for the request's tenant (engine/digests.py
-    ``namespace``): its ``cache_salt`` (vLLM's and our engine's key). A malformed salt routes as
-    none: the engine answers it with a 400."""
+    ``namespace``): its ``cache_salt`` (vLLM's and our engine's key) and the LoRA adapter it runs
+    with (its ``model``, where the worker serves an adapter of that name). A malformed salt routes
+    as none: the engine answers it with a 400."""
     salt = body.get("cache_salt")
-    return namespace(salt) if isinstance(salt, str) and salt else None
+    return namespace(salt if isinstance(salt, str) and salt else None, adapter)
 
 
 def text_digests(text: str, parent: int | None = None) -> list[int]:
@@ -201,8 +202,10 @@ def shape_request(
     tokenizer_path: str | None,
     block_size: int | None,
     known_ids: dict[str, list[int] | None] | None = None,
+    adapter: str | None = None,
 ) -> RequestShape:
-    """``known_ids``: token ids already computed per tokenizer path (``tokenize_off_loop``)."""
+    """``known_ids``: token ids already computed per tokenizer path (``tokenize_off_loop``);
+    ``adapter``: the LoRA adapter the request runs with on these workers."""
     tokenizer = tokenizer_or_none(tokenizer_path) if tokenizer_path and block_size else None
     if tokenizer is not None:
         if known_ids and tokenizer_path in known_ids:
@@ -210,9 +213,9 @@ def shape_request(
         else:
             ids = prompt_token_ids(body, chat, tokenizer)
         if ids is not None:
-            digests = chain_digests(ids, block_size, tenant_namespace(body))
+            digests = chain_digests(ids, block_size, tenant_namespace(body, adapter))
             return RequestShape(digests, len(ids), block_size, chat)
     text = routing_text(body, chat)
     # ~4 characters a token: good enough to weigh the work of a foreign engine's request
-    digests = text_digests(text[: 4 * ROUTING_TOKEN_CAP], tenant_namespace(body))
+    digests = text_digests(text[: 4 * ROUTING_TOKEN_CAP], tenant_namespace(body, adapter))
     return RequestShape(digests, max(1, len(text) // 4), CHUNK_CHARS // 4, chat)

@@ -124,7 +124,7 @@ class Router:
         policy = self.role_policies.get(role, self.policy) if role else self.policy
         if role == "decode" and policy.name == "cache_aware":
             policy = self.decode_leg  # the prompt is computed: load decides, transfer breaks ties
-        shapes, matched, shared = self._match(body, chat, candidates, ids_by_path)
+        shapes, matched, shared = self._match(body, chat, model, candidates, ids_by_path)
         primary = shapes[candidates[0].key]
         # how hot the shared prefix is (counting this request): the policy copies only a hot one
         prefix = primary.digests[shared - 1] if 0 < shared <= len(primary.digests) else None
@@ -246,17 +246,20 @@ class Router:
             return None
         return self.config.tokenizer_path or worker.tokenizer_path
 
-    def _match(self, body: dict, chat: bool, candidates: list[Target], ids_by_path=None):
-        """The request's shape for each candidate (workers may differ in tokenizer or block size:
-        each is matched in its own digests), the matches in units of the first candidate's blocks,
-        and the shared-prefix depth in those units."""
+    def _match(self, body: dict, chat: bool, model, candidates: list[Target], ids_by_path=None):
+        """The request's shape for each candidate (workers may differ in tokenizer or block size,
+        and in whether ``model`` is a LoRA adapter of theirs: each is matched in its own digests),
+        the matches in units of the first candidate's blocks, and the shared-prefix depth in those
+        units."""
         groups: dict[tuple, list[Target]] = {}
         for t in candidates:
-            groups.setdefault((t.worker.tokenizer_path, t.worker.block_size), []).append(t)
+            adapter = model if model in t.worker.adapters else None
+            key = (t.worker.tokenizer_path, t.worker.block_size, adapter)
+            groups.setdefault(key, []).append(t)
         shapes, matched, shared = {}, {}, 0
         unit = None
-        for members in groups.values():
-            shape = self._shape(body, chat, members[0], ids_by_path)
+        for (_, _, adapter), members in groups.items():
+            shape = self._shape(body, chat, members[0], ids_by_path, adapter)
             unit = unit or shape.block_tokens
             for t in members:
                 shapes[t.key] = shape
@@ -267,7 +270,9 @@ class Router:
             )
         return shapes, matched, shared
 
-    def _shape(self, body: dict, chat: bool, target: Target, ids_by_path=None) -> RequestShape:
+    def _shape(
+        self, body: dict, chat: bool, target: Target, ids_by_path=None, adapter=None
+    ) -> RequestShape:
         worker = target.worker
         return shape_request(
             body,
@@ -275,6 +280,7 @@ class Router:
             self.config.tokenizer_path or worker.tokenizer_path,
             worker.block_size or (16 if self.config.tokenizer_path else None),
             ids_by_path,
+            adapter,
         )
 
     # ----- who serves: views of the replicas' records, installed by apps/routing/live.py --------

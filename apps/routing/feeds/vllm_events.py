@@ -69,13 +69,13 @@ def chain_namespace(first_extra, lora_name) -> int | None:
     vLLM says of it: its ``extra_keys`` entry holds, untagged and in order, the LoRA name (when
     ``lora_name`` is set), multimodal ``(id, offset)`` pairs, the ``cache_salt`` and prompt
     embedding digests (bytes); the salt is the first string after the LoRA name. The router keys
-    a request's salt the same way (request_shape.tenant_namespace), so a salted vLLM block is
-    the salted request's, never another tenant's."""
+    a request's salt and adapter the same way (request_shape.tenant_namespace), so a salted or
+    adapted vLLM block is that tenant's, never another's."""
     keys = list(first_extra or ())
     if lora_name and keys and keys[0] == lora_name:
         keys = keys[1:]
     salt = next((k for k in keys if isinstance(k, str) and k), None)
-    return namespace(salt)  # LoRA adapters are not routed apart yet: the chain is the salt's
+    return namespace(salt, lora_name or None)
 
 
 class RankDecoder:
