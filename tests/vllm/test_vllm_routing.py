@@ -26,7 +26,7 @@ from controlplane import http
 from controlplane.asgi import build_application
 from engine.digests import chain_digests
 from engine.tiny import ensure_tiny_model
-from tests.vllm.conftest import BLOCK_SIZE, BLOCKS_PER_RANK
+from tests.vllm.conftest import ADAPTERS, BLOCK_SIZE, BLOCKS_PER_RANK
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
@@ -141,6 +141,37 @@ async def test_tenants_salts_keep_their_hits_apart_as_vllm_does(router, client):
     assert await send("tenant-b") == (0, 0)
     assert await send(None) == (0, 0)
     assert await send("tenant-b") == (6 * BLOCK_SIZE, 6 * BLOCK_SIZE)
+
+
+async def test_lora_adapters_keep_their_hits_apart_as_vllm_does(router, client):
+    """vLLM serves the tiny model's two adapters (tests/vllm/conftest.py ``ADAPTERS``, listed in
+    its /v1/models with a parent): the router learns them, and the same prompt under each
+    adapter, the base model and an adapter with a salt shares no block; within each, what the
+    router predicts is what vLLM reports (its KV events carry the adapter: precise mode keys them
+    as the router keys the requests)."""
+    worker = next(iter(router.fleet.workers.values()))
+    assert worker.adapters == {name for name, _ in ADAPTERS}
+    rng = random.Random(78)
+    prompt = [rng.randrange(100, 4000) for _ in range(5 * BLOCK_SIZE + 3)]
+
+    async def send(model, salt=None):
+        body = {"model": model, "prompt": prompt, "max_tokens": 1}
+        if salt is not None:
+            body["cache_salt"] = salt
+        before = sum(s.predicted_tokens for s in router.stats.targets.values())
+        r = await client.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["model"] == model
+        predicted = sum(s.predicted_tokens for s in router.stats.targets.values()) - before
+        return predicted, r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    hit = (5 * BLOCK_SIZE, 5 * BLOCK_SIZE)
+    assert await send("sql") == (0, 0)
+    assert await send("sql") == hit
+    for other in (("poems",), ("tiny",), ("sql", "tenant-a")):
+        assert await send(*other) == (0, 0), other
+    assert await send("poems") == hit
+    assert await send("tiny") == hit
 
 
 async def test_a_responses_continuation_goes_where_vllm_stored_it(router, client):
