@@ -82,6 +82,7 @@ def start_vllm(
     replay_port: int | None = None,
     served_model_name: str = "tiny",
     lora_modules: dict[str, str] | None = None,
+    embed: bool = False,
     timeout: float = 240.0,
 ) -> VLLMServer:
     restart_args = {k: v for k, v in locals().items() if k not in ("venv", "model", "workdir")}
@@ -92,9 +93,12 @@ def start_vllm(
         str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model), "--served-model-name", served_model_name,
         "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048",
-        "--enforce-eager", "--enable-prefix-caching", "--enable-prompt-tokens-details",
-        "--block-size", str(block_size), "--data-parallel-size", str(dp_size),
+        "--enforce-eager", "--block-size", str(block_size), "--data-parallel-size", str(dp_size),
     ]  # fmt: skip
+    if embed:  # the model as an embedding model (vLLM serves /v1/embeddings only so)
+        cmd += ["--runner", "pooling", "--convert", "embed"]
+    else:
+        cmd += ["--enable-prefix-caching", "--enable-prompt-tokens-details"]
     if num_blocks:
         cmd += ["--num-gpu-blocks-override", str(num_blocks)]
     if lora_modules:  # name -> adapter directory (PEFT's format)
