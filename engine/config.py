@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.lora import DEFAULT_MAX_LORA_RANK, LoRAModulePath
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # "auto": the native forward pass (engine.native_llama) when the model qualifies, else
 # transformers'; "native" requires it; "transformers" always runs the transformers modules.
@@ -54,6 +56,9 @@ class EngineConfig:
     # for testing a router's pin check: these paths serve requests as if no rank was asked for
     # (as SGLang 0.5.19's /v1/responses does: sglang#38729)
     debug_ignore_rank_paths: tuple[str, ...] = ()
+    # LoRA adapters every rank loads at start (engine/lora.py); a request names one in ``model``
+    lora_modules: tuple[LoRAModulePath, ...] = ()
+    max_lora_rank: int = DEFAULT_MAX_LORA_RANK
 
     DEFAULT_KV_MEMORY = 256 * 1024 * 1024
 
@@ -82,6 +87,8 @@ class EngineConfig:
                 f"attention_impl must be one of {', '.join(ATTENTION_IMPLS)}, "
                 f"got {self.attention_impl!r}"
             )
+        if self.max_lora_rank <= 0:
+            raise ValueError(f"max_lora_rank must be > 0, got {self.max_lora_rank}")
         if not self.simulate_speedup > 0:
             raise ValueError(f"simulate_speedup must be > 0, got {self.simulate_speedup}")
 

@@ -105,6 +105,7 @@ class LLMEngine:
             logging.LoggerAdapter(logger, {}) if not log_prefix else _Prefixed(logger, log_prefix)
         )
         self.model_path = resolve_model_path(config.model)
+        self.lora_names = {module.name for module in config.lora_modules}
         self.tokenizer, self.runner, self.eos_token_ids = load_model(config, self.model_path)
         model_len = self.runner.max_position_embeddings
         self.max_model_len = min(config.max_model_len or model_len, model_len)
@@ -159,6 +160,8 @@ class LLMEngine:
     def _validate(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:
             raise ValueError("the prompt is empty")
+        if params.lora_name is not None and params.lora_name not in self.lora_names:
+            raise ValueError(f"LoRA adapter {params.lora_name!r} is not loaded (--lora-modules)")
         vocab = self.runner.vocab_size
         if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")

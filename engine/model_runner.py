@@ -12,8 +12,13 @@ With ``attention_impl="cpp"`` (``EngineConfig``; ``auto`` picks it when it compi
 take ``engine.paged_kernel``, a C++ kernel that reads every row's blocks where they lie in the
 pool; else torch's attention, with cascade groups for shared prefixes on the CPU.
 
+LoRA adapters (``EngineConfig.lora_modules``) are loaded here at start (``engine.lora_layers``)
+and applied by the native forward pass only; each step groups its rows by the adapter their
+sequence names (``SamplingParams.lora_name``).
+
 Arrows: this module sits above the forward pass. It imports ``engine.native_llama``,
-``engine.paged_attention`` and ``engine.paged_context``; none of them imports it back.
+``engine.lora_layers``, ``engine.paged_attention`` and ``engine.paged_context``; none of them
+imports it back.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from transformers import AutoModelForCausalLM
 
 from engine import paged_kernel
 from engine.config import EngineConfig
+from engine.lora_layers import LoRAAdapter, load_adapter, lora_batch
 from engine.native_llama import NativeLlama, unsupported_reason
 from engine.paged_attention import ATTN_IMPLEMENTATION
 from engine.paged_context import PagedContext, build_context
@@ -54,6 +60,7 @@ class ModelRunner:
         self.dtype = self.model.dtype  # "auto" resolved: the checkpoint's own dtype
         self.native = self._native_model(config.model_impl)
         self.model_impl = "transformers" if self.native is None else "native"
+        self.adapters = self._load_adapters(config)
         mc = self.model.config
         self.num_layers = mc.num_hidden_layers
         self.num_kv_heads = getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads
@@ -94,6 +101,26 @@ class ModelRunner:
             raise ValueError(f"model_impl='native' cannot run this model: {reason}")
         logger.info("transformers forward pass: no native one for this model (%s)", reason)
         return None
+
+    def _load_adapters(self, config: EngineConfig) -> dict[str, LoRAAdapter]:
+        """Every ``--lora-modules`` adapter, by name, in the model's dtype on its device. Only
+        the native forward pass applies them: on transformers' path they would be silently
+        ignored, so that is refused here."""
+        if not config.lora_modules:
+            return {}
+        if self.native is None:
+            raise ValueError(
+                "LoRA adapters (--lora-modules) need the native forward pass "
+                "(engine/native_llama.py), and this engine runs transformers' "
+                f"(model_impl={config.model_impl!r}, {type(self.model).__name__})"
+            )
+        adapters = {}
+        for module in config.lora_modules:
+            adapters[module.name] = load_adapter(
+                module, self.model, config.max_lora_rank, self.dtype, self.device
+            )
+            logger.info("LoRA adapter %s loaded from %s", module.name, module.path)
+        return adapters
 
     def _decode_kernel(self, attention_impl: str, mc):
         """``engine.paged_kernel``'s compiled decode function, or None for the torch path."""
@@ -199,8 +226,12 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[int] = []
         last: list[int] = []
+        lora_rows: dict[str, list[int]] = {}  # adapter name -> its rows of the flat batch
         for item in batch.items:
             end = item.start + item.num_tokens
+            if item.seq.params.lora_name is not None:
+                rows = lora_rows.setdefault(item.seq.params.lora_name, [])
+                rows += range(len(input_ids), len(input_ids) + item.num_tokens)
             input_ids += item.seq.token_ids[item.start : end]
             positions += range(item.start, end)
             if item.samples:
@@ -210,7 +241,8 @@ class ModelRunner:
         ids = torch.tensor(input_ids, device=self.device)
         pos = torch.tensor(positions, device=self.device)
         if self.native is not None:
-            logits = self.native.forward(ids, pos, keep, paged)
+            lora = lora_batch(self.adapters, lora_rows, len(input_ids), self.device)
+            logits = self.native.forward(ids, pos, keep, paged, lora)
         else:
             logits = self.model(
                 input_ids=ids[None],

@@ -15,7 +15,10 @@ model's own weights in about fifteen ops a layer:
 * attention through ``engine.paged_attention.attend`` (the paged pool, prefix blocks, decodes by
   the cpp kernel or cascade groups), the function transformers' attention interface calls for
   the fallback path;
-* in-place residual adds, and the final norm and ``lm_head`` only on the rows that sample.
+* in-place residual adds, and the final norm and ``lm_head`` only on the rows that sample;
+* LoRA adapters (``engine.lora_layers``): a step whose sequences use some gets a ``LoRABatch``
+  that adds each adapter's low-rank delta to its rows of every fused projection's output; a
+  step without one runs the base path untouched.
 
 Numerics follow transformers op for op where a rounding could differ: RMSNorm normalises in
 float32, casts to the model's dtype and only then multiplies by its weight (``F.rms_norm``
@@ -30,7 +33,8 @@ and ``Qwen2ForCausalLM`` (its q/k/v biases are fused like the weights) without a
 with SiLU, no other biases and default RoPE. Anything else runs through transformers.
 
 Arrows: ``engine.model_runner`` imports this module; it imports ``engine.paged_attention`` and
-``engine.paged_context`` (the attention both forward passes share), never the runner.
+``engine.paged_context`` (the attention both forward passes share) and ``engine.lora_layers``,
+never the runner.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.lora_layers import LoRABatch
 from engine.paged_attention import attend
 from engine.paged_context import PagedContext
 
@@ -150,8 +155,11 @@ class NativeLlama:
         positions: torch.Tensor,
         keep: torch.Tensor,
         paged: PagedContext,
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor:
-        """Logits [len(keep), vocab] for the packed step ``input_ids`` [T] at ``positions``."""
+        """Logits [len(keep), vocab] for the packed step ``input_ids`` [T] at ``positions``;
+        ``lora``: the step's adapters and their rows (engine/lora_layers.py), added to each
+        projection's output (None: the base model alone)."""
         tokens = input_ids.shape[0]
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         rotated = heads + kv_heads  # q and k heads, adjacent in the fused output
@@ -159,7 +167,10 @@ class NativeLlama:
         sin = self.sin.index_select(0, positions).view(tokens, 1, 2, dim // 2)
         h = F.embedding(input_ids, self.embed)  # [T, hidden]; ours, so updated in place
         for i, layer in enumerate(self.layers):
-            qkv = F.linear(self._rms_norm(h, layer.input_norm), layer.qkv, layer.qkv_bias)
+            x = self._rms_norm(h, layer.input_norm)
+            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            if lora is not None:
+                lora.add(i, "qkv", x, qkv)
             qkv = qkv.view(tokens, heads + 2 * kv_heads, dim)
             qk = qkv[:, :rotated]
             flipped = qk.unflatten(-1, (2, dim // 2)).flip(-2).mul_(sin)
@@ -171,9 +182,20 @@ class NativeLlama:
                 qkv[:, rotated:].transpose(0, 1),
                 paged,
                 self.scaling,
-            )
-            h += F.linear(out.view(tokens, -1), layer.o)
-            gate_up = F.linear(self._rms_norm(h, layer.post_norm), layer.gate_up)
+            ).view(tokens, -1)
+            h += self._project(i, "o", out, layer.o, lora)
+            x = self._rms_norm(h, layer.post_norm)
+            gate_up = self._project(i, "gate_up", x, layer.gate_up, lora)
             act = F.silu(gate_up[:, : self.intermediate]).mul_(gate_up[:, self.intermediate :])
-            h += F.linear(act, layer.down)
+            h += self._project(i, "down", act, layer.down, lora)
         return F.linear(self._rms_norm(h.index_select(0, keep), self.norm), self.lm_head)
+
+    @staticmethod
+    def _project(
+        i: int, name: str, x: torch.Tensor, weight: torch.Tensor, lora: LoRABatch | None
+    ) -> torch.Tensor:
+        """``x @ weight.T``, plus the step's adapters' deltas on their rows."""
+        out = F.linear(x, weight)
+        if lora is not None:
+            lora.add(i, name, x, out)
+        return out

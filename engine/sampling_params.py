@@ -24,6 +24,9 @@ class SamplingParams:
     # the tenant's prefix-cache key (vLLM's ``cache_salt``): its blocks chain on
     # ``digests.namespace(cache_salt)``, so only requests with the same salt share them
     cache_salt: str | None = None
+    # the LoRA adapter to run with (a ``--lora-modules`` name, vLLM's ``lora_name``; None: the
+    # base model); its blocks chain on ``digests.namespace(cache_salt, lora_name)`` too
+    lora_name: str | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -53,6 +56,8 @@ class SamplingParams:
             isinstance(self.cache_salt, str) and self.cache_salt
         ):
             raise ValueError(f"cache_salt must be a non-empty string, got {self.cache_salt!r}")
+        if self.lora_name is not None and not (isinstance(self.lora_name, str) and self.lora_name):
+            raise ValueError(f"lora_name must be a non-empty string, got {self.lora_name!r}")
         if self.seed is not None and (
             isinstance(self.seed, bool) or not isinstance(self.seed, int)
         ):

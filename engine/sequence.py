@@ -42,7 +42,8 @@ class Sequence:
         self.num_preemptions = 0
         self.finish_reason: str | None = None
         self._digests: list[int] = []
-        self.namespace = namespace(params.cache_salt)  # the first block's parent (its tenant)
+        # the first block's parent: its tenant (salt) and adapter, whose KV is not the base model's
+        self.namespace = namespace(params.cache_salt, params.lora_name)
 
     def __repr__(self):
         return (

@@ -40,6 +40,7 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 # Long enough for multi-turn chat and trace workloads (a 6-turn chat with a 200-word system prompt
@@ -124,29 +125,45 @@ def resolve_model_path(model: str) -> str:
 
 def _ensure(cache_dir: str | os.PathLike | None) -> tuple[Path, bool]:
     """Like :func:`ensure_tiny_model`, also telling whether this call did the build."""
+    name = f"tiny-llama-{TINY_MODEL_VERSION}"
+    path, built = build_once(cache_dir, name, _REQUIRED_FILES, build_tiny_model)
+    if built:
+        logger.info("built tiny model at %s", path)
+    return path, built
+
+
+def build_once(
+    cache_dir: str | os.PathLike | None,
+    name: str,
+    required: tuple[str, ...],
+    build: Callable[[Path], None],
+) -> tuple[Path, bool]:
+    """``(<cache>/<name>, whether this call built it)``: ``build(tmp)`` runs once, under an
+    ``flock``, into a temporary sibling renamed into place, so concurrent callers never see a
+    half-built directory; a directory holding every ``required`` file is taken as finished.
+    Shared by the tiny model and its adapters (``engine.tiny_lora``)."""
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    final = cache / f"tiny-llama-{TINY_MODEL_VERSION}"
-    if _is_complete(final):  # fast path: no lock needed once the rename has happened
+    final = cache / name
+    if _is_complete(final, required):  # fast path: no lock needed once the rename has happened
         return final, False
     cache.mkdir(parents=True, exist_ok=True)
-    with _exclusive_lock(cache / f".tiny-llama-{TINY_MODEL_VERSION}.lock"):
-        if _is_complete(final):  # someone else built it while we waited
+    with _exclusive_lock(cache / f".{name}.lock"):
+        if _is_complete(final, required):  # someone else built it while we waited
             return final, False
-        _clear_leftovers(cache, final)
-        tmp = Path(tempfile.mkdtemp(prefix=_tmp_prefix(), dir=cache))
+        _clear_leftovers(cache, final, name)
+        tmp = Path(tempfile.mkdtemp(prefix=_tmp_prefix(name), dir=cache))
         try:
-            build_tiny_model(tmp)
+            build(tmp)
             _make_readable(tmp)
             os.rename(tmp, final)  # atomic on one filesystem: never a half-built final dir
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-    logger.info("built tiny model at %s", final)
     return final, True
 
 
-def _is_complete(path: Path) -> bool:
-    return path.is_dir() and all((path / name).is_file() for name in _REQUIRED_FILES)
+def _is_complete(path: Path, required: tuple[str, ...]) -> bool:
+    return path.is_dir() and all((path / name).is_file() for name in required)
 
 
 def _make_readable(path: Path) -> None:
@@ -157,8 +174,8 @@ def _make_readable(path: Path) -> None:
         child.chmod(0o644)
 
 
-def _tmp_prefix() -> str:
-    return f".tiny-llama-{TINY_MODEL_VERSION}.tmp-"
+def _tmp_prefix(name: str) -> str:
+    return f".{name}.tmp-"
 
 
 @contextlib.contextmanager
@@ -172,12 +189,12 @@ def _exclusive_lock(lock_path: Path):
             fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
 
 
-def _clear_leftovers(cache: Path, final: Path) -> None:
+def _clear_leftovers(cache: Path, final: Path, name: str) -> None:
     """Remove what a killed builder may have left; only called while holding the lock."""
-    for stale in cache.glob(_tmp_prefix() + "*"):
+    for stale in cache.glob(_tmp_prefix(name) + "*"):
         shutil.rmtree(stale, ignore_errors=True)
     if final.exists():  # not complete (checked by the caller): damaged by hand, rebuild it
-        logger.warning("removing incomplete tiny model directory %s", final)
+        logger.warning("removing incomplete directory %s", final)
         shutil.rmtree(final)
 
 

@@ -18,6 +18,7 @@ from engine.server import openai_api as api
 from engine.server import pd, responses
 from engine.server.frontend import EngineClient, RankFailed, RankUnavailable
 from engine.server.metrics import make_registry, render
+from engine.server.served_models import ServedModels
 from serving.asgi import (
     BodyTimeout,
     BodyTooLarge,
@@ -77,7 +78,10 @@ class EngineApp:
         self.max_body_bytes = max_body_bytes
         self.draining = False  # SIGTERM: no new requests, the ones in flight finish (drain.py)
         self.model = server_info["served_model_name"]
-        self.model_names = {self.model, server_info["model_id"]}
+        self.served_models = ServedModels(
+            self.model, server_info["model_id"], server_info["model_path"],
+            server_info["max_model_len"], client.config.lora_modules,
+        )  # fmt: skip
         self.registry = make_registry(client, self.model)
         self.routes = {
             ("GET", "/health"): self.health,
@@ -170,15 +174,7 @@ class EngineApp:
         )
 
     async def models(self, scope, receive, send):
-        card = {
-            "id": self.model,
-            "object": "model",
-            "created": int(time.time()),
-            "owned_by": "dpmesh",
-            "root": self.info["model_path"],
-            "max_model_len": self.info["max_model_len"],
-        }
-        await send_json(send, 200, {"object": "list", "data": [card]})
+        await send_json(send, 200, {"object": "list", "data": self.served_models.cards()})
 
     async def metrics(self, scope, receive, send):
         await send_body(
@@ -232,11 +228,9 @@ class EngineApp:
         body = await read_json(receive, self.max_body_bytes, scope)
         if not isinstance(body, dict):
             raise APIError(400, "the request body must be a JSON object")
-        model = body.get("model")
-        if model is not None and model not in self.model_names:
-            raise APIError(
-                404, f"The model `{model}` does not exist.", param="model", type="NotFoundError"
-            )
+        if self.served_models.adapter(body.get("model")) is not None:  # a 404 if it names none
+            raise APIError(400, "LoRA adapters are not supported on /v1/embeddings: name the "
+                           f"base model `{self.model}`", param="model")  # fmt: skip
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         hint = api.rank_hint(body, headers, self.client.dp_size)
         parse = functools.partial(
@@ -274,7 +268,7 @@ class EngineApp:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         parse = functools.partial(
             api.parse, chat, headers, chat=True, tokenizer=self.tokenizer,
-            model_names=self.model_names, dp_size=self.client.dp_size,
+            models=self.served_models, dp_size=self.client.dp_size,
             max_model_len=self.info["max_model_len"], vocab_size=self.info["vocab_size"],
         )  # fmt: skip
         long = prompt_text_chars(chat, True) >= OFF_LOOP_CHARS
@@ -287,7 +281,8 @@ class EngineApp:
         except RankUnavailable as exc:
             raise APIError(503, str(exc)) from exc
         outputs = self.client.generate(rid, rank, req.prompt_token_ids, req.params)
-        writer = responses.EventWriter(rid, self.model, body)
+        model = self.served_models.answer_name(req.params.lora_name)
+        writer = responses.EventWriter(rid, model, body)
         relay = self._respond(req, writer, rank, outputs, send)
         text = await until_disconnect(relay, receive)
         if text is not None and body.get("store", True) is not False:
@@ -323,7 +318,7 @@ class EngineApp:
                 await send_named_event(send, kind, event)
             await end_body(send)
         else:
-            payload = responses.response_object(writer.rid, self.model, writer.body, "completed",
+            payload = responses.response_object(writer.rid, writer.model, writer.body, "completed",
                                                 answer, use, writer.created)  # fmt: skip
             await send_json(send, 200, payload, rank_header(rank))
         return answer
@@ -344,7 +339,7 @@ class EngineApp:
             headers,
             chat=chat,
             tokenizer=self.tokenizer,
-            model_names=self.model_names,
+            models=self.served_models,
             dp_size=self.client.dp_size,
             max_model_len=self.info["max_model_len"],
             vocab_size=self.info["vocab_size"],
@@ -395,7 +390,8 @@ class EngineApp:
         except RankFailed as exc:
             raise APIError(exc.status, str(exc)) from exc
         use = api.usage(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)
-        answer = api.response(req, rid, self.model, "".join(text), last.finish_reason, use)
+        model = self.served_models.answer_name(req.params.lora_name)
+        answer = api.response(req, rid, model, "".join(text), last.finish_reason, use)
         transfer = pd.prefill_answer(self.client, self.info, rank, rid, last)
         if transfer is not None:
             answer[pd.PARAM] = transfer
@@ -403,6 +399,7 @@ class EngineApp:
 
     async def _stream(self, req, rid, rank, outputs, send):
         created = int(time.time())
+        model = self.served_models.answer_name(req.params.lora_name)
         started = False
         try:
             async with contextlib.aclosing(outputs) as stream:
@@ -413,11 +410,11 @@ class EngineApp:
                         if req.chat:
                             await send_event(
                                 send,
-                                api.chunk(req, rid, self.model, created, None, None, role=True),
+                                api.chunk(req, rid, model, created, None, None, role=True),
                             )
                     if out.new_text or out.finished:
                         event = api.chunk(
-                            req, rid, self.model, created, out.new_text or None, out.finish_reason
+                            req, rid, model, created, out.new_text or None, out.finish_reason
                         )
                         transfer = pd.prefill_answer(self.client, self.info, rank, rid, out)
                         if transfer is not None:  # a streamed prefill: with its last event
@@ -432,5 +429,5 @@ class EngineApp:
             return
         if req.include_usage:
             use = api.usage(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)
-            await send_event(send, api.usage_chunk(req, rid, self.model, created, use))
+            await send_event(send, api.usage_chunk(req, rid, model, created, use))
         await send_sse_end(send)

@@ -3,8 +3,9 @@
 Shared by ``manage.py runengine`` and ``python -m engine.server.main``; the tests build parsers
 from it too. Nothing here imports torch: a simulated engine parses the same flags.
 
-Arrows: ``engine.server.main`` imports this module; it imports only ``engine.config`` and
-``engine.sim.profiles`` (the ``--simulate`` profiles and the limits they fill in).
+Arrows: ``engine.server.main`` imports this module; it imports only ``engine.config``,
+``engine.lora`` (``--lora-modules``' entries) and ``engine.sim.profiles`` (the ``--simulate``
+profiles and the limits they fill in).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 
 from engine.config import ATTENTION_IMPLS, DTYPES, MODEL_IMPLS, EngineConfig
+from engine.lora import DEFAULT_MAX_LORA_RANK, LoRAModulePath, parse_lora_module
 from engine.sim.profiles import PROFILES, get_profile
 
 DEFAULT_PORT = 8000
@@ -24,6 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _add_kv_and_scheduling(parser)
     _add_router_facing(parser)
     _add_forward_pass(parser)
+    _add_lora(parser)
     _add_operations(parser)
     add_simulation_arguments(parser)
 
@@ -132,6 +135,39 @@ def _add_forward_pass(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="torch threads per rank (default: the cores divided between ranks)",
     )
+
+
+def _add_lora(parser: argparse.ArgumentParser) -> None:
+    """LoRA adapters, vLLM's flags: every rank loads each at start; a request picks one by its
+    ``model`` field."""
+    lora = parser.add_argument_group("LoRA adapters (engine/lora.py)")
+    lora.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=_lora_module,
+        default=[],
+        metavar="NAME=PATH",
+        help="PEFT LoRA adapter directories, each served as a model of its own: name=path, or "
+        'the JSON object {"name": ..., "path": ..., "base_model_name": ...} (vLLM\'s flag)',
+    )
+    lora.add_argument(
+        "--max-lora-rank",
+        type=int,
+        default=DEFAULT_MAX_LORA_RANK,
+        help="the largest adapter rank accepted; a larger one fails the start (vLLM's flag)",
+    )
+    lora.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="accepted for vLLM's command lines (here --lora-modules alone enables adapters)",
+    )
+
+
+def _lora_module(text: str) -> LoRAModulePath:
+    try:
+        return parse_lora_module(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _add_operations(parser: argparse.ArgumentParser) -> None:
@@ -269,6 +305,8 @@ def engine_config(args, model_path: str):
         kv_transfer_host=kv_transfer_host(args),
         kv_transfer_timeout_s=args.kv_transfer_timeout_secs,
         debug_ignore_rank_paths=tuple(args.debug_ignore_rank_on),
+        lora_modules=tuple(args.lora_modules),
+        max_lora_rank=args.max_lora_rank,
     )
 
 

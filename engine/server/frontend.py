@@ -166,10 +166,16 @@ class EngineClient:
                     state.process.terminate()
 
     def wait_ready(self, timeout: float) -> bool:
+        """True once every rank is ready; False at the first that died starting (its exit is
+        noticed here: the event loop that ``_on_death`` is queued on does not run yet)."""
         import time
 
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            for s in self.ranks:
+                code = s.process.exitcode if s.process is not None and not s.ready else None
+                if code is not None and s.dead_reason is None:
+                    s.dead_reason = f"process exited with code {code} while starting"
             if all(s.ready for s in self.ranks) or any(s.dead_reason for s in self.ranks):
                 break
             time.sleep(0.05)

@@ -17,6 +17,7 @@ import os
 import sys
 import threading
 import uuid
+from dataclasses import asdict
 
 from engine.digests import SCHEME
 from engine.server.flags import add_arguments, engine_config, resolve_dp_size, scheduler_limits
@@ -39,6 +40,7 @@ def build(args):
     dp_size, tp_size = resolve_dp_size(args)
     if dp_size < 1:
         raise SystemExit("--dp-size must be >= 1")
+    check_lora_modules(args)  # first: a bad adapter fails the start in a moment
     # builds the tiny model once, before the ranks race for it
     model_path = model_directory(args)
     tokenizer = front_tokenizer(model_path, args.simulate)
@@ -47,6 +49,28 @@ def build(args):
     threads = args.threads_per_rank or max(1, _cores() // dp_size)
     client.start(threads)
     return client, tokenizer, model_path, dp_size, tp_size
+
+
+def check_lora_modules(args) -> None:
+    """Refuse, before any rank starts, adapters no rank could serve: a name taken twice or by
+    the base model, a directory that is not a PEFT LoRA adapter, a rank over ``--max-lora-rank``,
+    or a forward pass that cannot apply them. Each rank then checks the weights against the
+    model (engine/lora_layers.py) and fails the start if they do not fit."""
+    from engine.lora import check_names, read_adapter_config
+
+    if not args.lora_modules:
+        return
+    try:
+        check_names(tuple(args.lora_modules), {args.served_model_name or args.model, args.model})
+        for module in args.lora_modules:
+            read_adapter_config(module.path, args.max_lora_rank)
+    except ValueError as exc:
+        raise SystemExit(f"--lora-modules: {exc}") from None
+    if args.model_impl == "transformers":
+        raise SystemExit(
+            "--lora-modules needs the native forward pass (engine/native_llama.py): "
+            "drop --model-impl transformers"
+        )
 
 
 def model_directory(args) -> str:
@@ -112,6 +136,10 @@ def server_info(args, client, model_path: str, dp_size: int, tp_size: int, token
         "instance_id": uuid.uuid4().hex,
         # prefill/decode disaggregation (engine/kv_transfer.py): null, prefill or decode
         "disaggregation_mode": args.disaggregation_mode,
+        # the LoRA adapters a request may name in ``model``: a router chains their digests on
+        # the adapter (engine/digests.py namespace)
+        "lora_modules": [asdict(module) for module in args.lora_modules],
+        "max_lora_rank": args.max_lora_rank,
     }
     if args.simulate:
         info["simulate"] = {

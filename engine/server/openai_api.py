@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 
 from engine.sampling_params import SamplingParams
+from engine.server.served_models import ServedModels
 from engine.tokenize_cache import TooManyTokens, encode_text
 from serving.openai_fields import PRETOKENIZED, APIError, is_int, rank_hint, too_long_message
 
@@ -57,7 +58,9 @@ def _unsupported(body: dict) -> None:
             raise APIError(400, f"{key} is not supported by this engine", param=key)
 
 
-def sampling_params(body: dict, default_max_tokens: int) -> SamplingParams:
+def sampling_params(
+    body: dict, default_max_tokens: int, lora_name: str | None = None
+) -> SamplingParams:
     _unsupported(body)
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is not None and (not is_int(max_tokens) or max_tokens <= 0):
@@ -91,6 +94,7 @@ def sampling_params(body: dict, default_max_tokens: int) -> SamplingParams:
         cache_salt=_opt(
             body, "cache_salt", lambda v: isinstance(v, str) and v != "", "a non-empty string"
         ),
+        lora_name=lora_name,
     )
 
 
@@ -182,7 +186,7 @@ def parse(
     *,
     chat: bool,
     tokenizer,
-    model_names: set[str],
+    models: ServedModels,
     dp_size: int,
     max_model_len: int,
     vocab_size: int,
@@ -190,10 +194,7 @@ def parse(
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     model = body.get("model")
-    if model is not None and model not in model_names:
-        raise APIError(
-            404, f"The model `{model}` does not exist.", param="model", type="NotFoundError"
-        )
+    lora_name = models.adapter(model)  # 404 for a model this engine does not serve
     hint = rank_hint(body, headers, dp_size)
     stream = _opt(body, "stream", lambda v: isinstance(v, bool), "a boolean", False)
     options = _opt(body, "stream_options", lambda v: isinstance(v, dict), "an object", {})
@@ -219,7 +220,7 @@ def parse(
             400, too_long_message(max_model_len, len(ids)), param="messages" if chat else "prompt"
         )
     try:
-        params = sampling_params(body, room if chat else min(16, room))
+        params = sampling_params(body, room if chat else min(16, room), lora_name)
     except ValueError as exc:
         raise APIError(400, str(exc)) from exc
     if len(ids) + params.max_tokens > max_model_len:
