@@ -22,9 +22,11 @@ DP = 4
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    with start_engine(
-        tmp_path_factory.mktemp("hits"), "--dp-size", str(DP), "--num-kv-blocks", "1024"
-    ) as engine:
+    from engine.tiny_lora import ensure_tiny_adapter
+
+    adapters = [f"{name}={ensure_tiny_adapter(seed)}" for name, seed in (("sql", 1), ("poems", 2))]
+    with start_engine(tmp_path_factory.mktemp("hits"), "--dp-size", str(DP), "--num-kv-blocks",
+                      "1024", "--lora-modules", *adapters) as engine:  # fmt: skip
         yield engine
 
 
@@ -160,3 +162,36 @@ def test_tenants_with_their_own_cache_salt_share_no_blocks(fleet):
     bad = httpx.post(router.url + "/v1/completions", timeout=30,
                      json={"model": "tiny", "prompt": prompt, "cache_salt": ""})  # fmt: skip
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "cache_salt"
+
+
+def test_lora_adapters_share_no_blocks_and_predicted_is_served(fleet):
+    """The engine serves two LoRA adapters (``--lora-modules``); the router learns them from its
+    /server_info and keys each adapter's blocks apart: the same prompt under each adapter, the
+    base model, and an adapter with a salt predicts no hit on the others' blocks and the engine
+    serves none; within each, predicted = served."""
+    import httpx
+
+    from tests.support.router_checks import counter
+
+    engine, router = fleet
+    (worker,) = httpx.get(router.url + "/workers", timeout=10).json()["workers"]
+    assert {m["name"] for m in worker["server_info"]["lora_modules"]} == {"sql", "poems"}
+    prompt = " ".join(f"adapter{i % 5} text{i}" for i in range(120))
+
+    def send(model: str, salt: str | None = None) -> tuple[float, int]:
+        name = "dpmesh_router_predicted_cached_tokens_total"
+        before = counter(router.url, name)
+        body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0}
+        if salt:
+            body["cache_salt"] = salt
+        r = httpx.post(router.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["model"] == model, r.text
+        cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        return counter(router.url, name) - before, cached
+
+    assert send("sql") == (0, 0)
+    predicted, cached = send("sql")
+    assert cached > 0 and predicted == cached
+    for other in (("poems",), ("tiny",), ("sql", "tenant-a")):
+        assert send(*other) == (0, 0), other
+    assert send("poems") == (cached, cached)
