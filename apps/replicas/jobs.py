@@ -75,6 +75,18 @@ _METRIC_MAP = {
 }
 
 
+# the sample lines worth parsing: an engine's /metrics is mostly histograms the scrape never reads
+# (vLLM's: ~1,000 lines, 83 kB at DP 2; prometheus_client's parser took 25 ms of the router's GIL
+# for all of it, every 2 s, in a thread beside the event loop)
+_WANTED_PREFIXES = tuple(_METRIC_MAP)
+
+
+def wanted_lines(text: str, prefixes: tuple[str, ...] = _WANTED_PREFIXES) -> str:
+    """Only the sample lines of ``text`` whose metric name starts with one of ``prefixes``: what
+    a parser need read (without their TYPE lines, a counter's samples keep their ``_total``)."""
+    return "\n".join(line for line in text.splitlines() if line.startswith(prefixes))
+
+
 def parse_engine_metrics(
     text: str, capacity_blocks: int | None = None
 ) -> dict[int | None, dict[str, float]]:
@@ -87,7 +99,7 @@ def parse_engine_metrics(
     found them: ``num_kv_blocks_per_rank``) and ``kv_blocks_used`` = that fraction of it,
     rounded; without a known capacity it gets neither. An engine's own counts (ours) are kept."""
     out: dict[int | None, dict[str, float]] = {}
-    for family in text_string_to_metric_families(text):
+    for family in text_string_to_metric_families(wanted_lines(text)):
         for sample in family.samples:
             # by sample name: exporters differ in whether the TYPE line carries "_total"
             field = _METRIC_MAP.get(sample.name) or _METRIC_MAP.get(
