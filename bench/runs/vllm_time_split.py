@@ -7,8 +7,10 @@
   ``vllm-router:cache_aware``, ``none`` for vLLM's own balancer), the prefix workload at each
   ``--concurrency``. Per run: the client's TTFT, vLLM's own per-engine TTFT / queue / prefill
   (its histograms, measured from the request's arrival in vLLM), our router's dispatch-to-first-
-  token (its /metrics), and for ours the TTFT of requests that went to the other rank than the
-  request before them against those that stayed.
+  token and its own time from arrival to the upstream request sent (its /metrics), for ours the
+  TTFT of requests that went to the other rank than the request before them against those that
+  stayed, and for every router how fast it answers a trivial request meanwhile (a GET every
+  20 ms: how responsive its process stays while the engine's ranks take the cores).
 
     .venv/bin/python -m bench.runs.vllm_time_split --probe pinned routers \\
         [--vllm-router PATH] [--concurrency 1 8]
@@ -111,6 +113,10 @@ def report_run(spec, conc, run, before, after, router_before, router_after) -> N
         family = "dpmesh_router_time_to_first_token_seconds"
         n, dispatched = mean_ms(router_before, router_after, family, "-")
         print(f"    our router, dispatch to first token: {dispatched:4.0f} ms over {n:.0f}")
+        n, overhead = mean_ms(router_before, router_after, "dpmesh_router_overhead_seconds", "-")
+        print(
+            f"    our router, arrival to the upstream request sent: {overhead:6.1f} ms over {n:.0f}"
+        )
         moved = [b.ttft * 1000 for a, b in zip(ok, ok[1:], strict=False) if a.rank != b.rank]
         stayed = [b.ttft * 1000 for a, b in zip(ok, ok[1:], strict=False) if a.rank == b.rank]
         for label, values in (("another rank than the one before", moved), ("the same", stayed)):
@@ -119,6 +125,33 @@ def report_run(spec, conc, run, before, after, router_before, router_after) -> N
                     f"    to {label}: {len(values)} requests, TTFT mean "
                     f"{statistics.mean(values):4.0f} p50 {statistics.median(values):4.0f} ms"
                 )
+
+
+PROBE_EVERY_S = 0.02
+
+
+async def with_loop_probe(url: str, work) -> tuple:
+    """``work``'s result, and the latencies (ms) of a GET /v1/completions sent to ``url`` every
+    ``PROBE_EVERY_S`` while it ran: a path every router answers at once (405) without an engine,
+    so its latency is how long the router's process took to get to it: how responsive it stays
+    while the machine is busy."""
+    lags: list[float] = []
+    done = asyncio.Event()
+
+    async def probe():
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            while not done.is_set():
+                started = time.perf_counter()
+                await client.get("/v1/completions")
+                lags.append(1000 * (time.perf_counter() - started))
+                await asyncio.sleep(PROBE_EVERY_S)
+
+    task = asyncio.create_task(probe())
+    try:
+        return await work, lags
+    finally:
+        done.set()
+        await task
 
 
 def probe_routers(args, venv: Path, tok, workdir: Path) -> None:
@@ -132,7 +165,7 @@ def probe_routers(args, venv: Path, tok, workdir: Path) -> None:
                 router = start(cmd, f"http://127.0.0.1:{port}", workdir / f"{spec}.log",
                                health="/health", env=env, timeout=120)  # fmt: skip
             ours = spec.startswith("dpmesh")
-            family = ("dpmesh_router_time_to_first_token_seconds",)
+            family = ("dpmesh_router_time_to_first_token_seconds", "dpmesh_router_overhead_seconds")
             try:
                 for i, conc in enumerate(args.concurrency):
                     samples = workload(tok, 7 + i, 100)
@@ -144,10 +177,18 @@ def probe_routers(args, venv: Path, tok, workdir: Path) -> None:
                         max_concurrency=conc,
                         progress=False,
                     )
-                    run = asyncio.run(send_samples(opts, samples))
+                    run, lags = asyncio.run(
+                        with_loop_probe(opts.base_url, send_samples(opts, samples))
+                    )
                     ra = histogram_sums(router.url, family) if ours else None
                     after = histogram_sums(server.url, VLLM_FAMILIES)
                     report_run(spec, conc, run, before, after, rb, ra)
+                    if lags:
+                        lags.sort()
+                        print(f"    the router's answer to a GET /v1/completions sent every "
+                              f"{1000 * PROBE_EVERY_S:.0f} ms meanwhile (a 405, no engine): p50 "
+                              f"{lags[len(lags) // 2]:.1f} p90 {lags[int(len(lags) * 0.9)]:.1f} "
+                              f"max {lags[-1]:.1f} ms over {len(lags)}")  # fmt: skip
             finally:
                 if router:
                     router.stop()
