@@ -98,6 +98,15 @@ def text_stable_ids(
     return ids
 
 
+def _drawer(rng: random.Random, allowed: list[int], tokenizer, as_text: bool):
+    """``draw(n)``: n fresh token ids, ids that survive a text round trip when ``as_text``."""
+    if not as_text:
+        return lambda n: random_ids(rng, allowed, n)
+    if tokenizer is None:
+        raise ValueError("text prompts need a tokenizer (--tokenizer PATH)")
+    return lambda n: text_stable_ids(rng, allowed, n, tokenizer)
+
+
 def prefix_repetition(
     *,
     num_prompts: int,
@@ -121,14 +130,8 @@ def prefix_repetition(
             f"--num-prompts ({num_prompts}) must be >= "
             f"--prefix-repetition-num-prefixes ({num_prefixes})"
         )
-    if as_text and tokenizer is None:
-        raise ValueError("text prompts need a tokenizer (--tokenizer PATH)")
     rng = random.Random(seed)
-    draw = (
-        (lambda n: text_stable_ids(rng, allowed, n, tokenizer))
-        if as_text
-        else (lambda n: random_ids(rng, allowed, n))
-    )
+    draw = _drawer(rng, allowed, tokenizer, as_text)
     samples = []
     for group in range(num_prefixes):
         prefix = draw(prefix_len)
@@ -158,11 +161,7 @@ def zipf_prefixes(
     of the traffic and a long tail carries the rest: a router that keeps every prefix on one rank
     piles the hot ones up, one that spreads them all loses the tail's hits."""
     rng = random.Random(seed)
-    draw = (
-        (lambda n: text_stable_ids(rng, allowed, n, tokenizer))
-        if as_text
-        else (lambda n: random_ids(rng, allowed, n))
-    )
+    draw = _drawer(rng, allowed, tokenizer, as_text)
     prefixes = [draw(prefix_len) for _ in range(num_prefixes)]
     weights = [1.0 / (k + 1) ** zipf_s for k in range(num_prefixes)]
     groups = rng.choices(range(num_prefixes), weights=weights, k=num_prompts)
