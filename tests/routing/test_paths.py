@@ -95,11 +95,13 @@ def test_embeddings_pass_through_the_router_with_their_load_counted(fleet):
 
 
 def test_a_limited_tenant_gets_429s_and_the_others_are_served(fleet, tmp_path):
-    from tests.support.router_checks import assert_idle
+    from tests.support.router_checks import assert_idle, healthy_targets
 
     engine, _ = fleet
     flags = ("--tenant-limit", "small=2", "--tenant-limit", "thrifty=100:40", "--tenant-cache-salt")
     with start_router(tmp_path, [engine.url], "limited", *flags) as router:
+        # ready when it answers /metrics; its engine is found a moment later (503 until then)
+        assert wait_for(lambda: healthy_targets(router.url), timeout=60)
         body = {"model": "tiny", "prompt": "a tenant's request", "max_tokens": 2}
 
         def post(tenant: str, prompt: str = "a tenant's request") -> httpx.Response:
