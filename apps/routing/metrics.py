@@ -89,6 +89,7 @@ class RouterCollector:
         # one fleet listing for every per-target family, so a scrape's families agree on targets
         targets = self.router.fleet.all_targets()
         yield from self._target_counters(targets)
+        yield from self._miss_families(targets)
         yield from self._target_gauges(targets, _LOAD_GAUGES)
         yield from self._target_gauges(targets, _STATE_GAUGES)
         yield _role_family(targets)
@@ -125,6 +126,29 @@ class RouterCollector:
                 s = stats.get(t.key)
                 family.add_metric(_target_labels(t), getattr(s, attr) if s else 0)
             yield family
+
+    def _miss_families(self, targets):
+        """Why prompt tokens were computed instead of read from cache, per target and reason
+        (apps/routing/decision/misses.py); every target has every reason from its first scrape."""
+        from apps.routing.decision.misses import REASONS
+
+        misses = self.router.misses
+        family = CounterMetricFamily(
+            f"{PREFIX}_miss_tokens",
+            "Prompt tokens the engine computed rather than read from its cache, by the reason "
+            "the router gives (requests whose engine reported its cached tokens)",
+            labels=[*_TARGET_LABELS, "reason"],
+        )
+        for t in targets:
+            labels = _target_labels(t)
+            for reason in REASONS:
+                family.add_metric([*labels, reason], misses.tokens.get((t.key, reason), 0))
+        yield family
+        yield CounterMetricFamily(
+            f"{PREFIX}_miss_explained_requests",
+            "Requests whose prompt tokens were given miss reasons",
+            value=misses.requests,
+        )
 
     def _target_gauges(self, targets, gauges):
         """One gauge family per ``(name, help, read)`` of ``gauges``, a series per target."""

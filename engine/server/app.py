@@ -280,7 +280,8 @@ class EngineApp:
             rank = self.client.choose_rank(req.rank_hint)
         except RankUnavailable as exc:
             raise APIError(503, str(exc)) from exc
-        outputs = self.client.generate(rid, rank, req.prompt_token_ids, req.params)
+        outputs = self.client.generate(rid, rank, req.prompt_token_ids, req.params,
+                                       predicted=req.predicted)  # fmt: skip
         model = self.served_models.answer_name(req.params.lora_name)
         writer = responses.EventWriter(rid, model, body)
         relay = self._respond(req, writer, rank, outputs, send)
@@ -357,7 +358,8 @@ class EngineApp:
             raise APIError(503, str(exc)) from exc
         if req.pretokenized:
             self.client.ranks[rank].counters.pretokenized += 1
-        outputs = self.client.generate(rid, rank, req.prompt_token_ids, req.params, **transfer)
+        outputs = self.client.generate(rid, rank, req.prompt_token_ids, req.params,
+                                       predicted=req.predicted, **transfer)  # fmt: skip
         relay = (
             self._stream(req, rid, rank, outputs, send)
             if req.stream

@@ -48,6 +48,12 @@ class RankCounters:
     errors: int = 0
     aborts: int = 0
     pretokenized: int = 0  # requests whose prompt ids came with them (a router's): not encoded
+    # requests that came with a router's prediction of their cached prompt tokens (openai_api
+    # PREDICTED_HEADER): the tokens predicted, what the rank had of them, and the shortfall
+    predicted_requests: int = 0
+    predicted_tokens: int = 0
+    predicted_cached_tokens: int = 0
+    mispredicted_tokens: int = 0
 
 
 @dataclass
@@ -307,12 +313,13 @@ class EngineClient:
         rank: int,
         prompt_token_ids: list[int],
         params: SamplingParams,
+        predicted: int | None = None,
         **transfer,
     ):
         """Yield RequestOutputs of one request on ``rank``. Load is held from here until the
         generator closes, whichever way it closes (finish, error, client disconnect).
-        ``transfer``: ``AddRequest``'s prefill/decode fields (``hold_kv``, ``pull``,
-        ``cached_tokens``)."""
+        ``predicted``: the cached prompt tokens a router predicted for it; ``transfer``:
+        ``AddRequest``'s prefill/decode fields (``hold_kv``, ``pull``, ``cached_tokens``)."""
         state = self.ranks[rank]
         if not state.alive:
             raise RankUnavailable(f"DP rank {rank} is not serving")
@@ -331,7 +338,7 @@ class EngineClient:
                     raise item
                 finished = item.finished
                 if finished:
-                    self._count(state, item)
+                    self._count(state, item, request_id, predicted)
                 yield item
         finally:
             state.streams.pop(request_id, None)
@@ -372,9 +379,19 @@ class EngineClient:
             state.inflight_tokens -= tokens
 
     @staticmethod
-    def _count(state: RankState, out: RequestOutput) -> None:
+    def _count(state: RankState, out: RequestOutput, request_id: str, predicted=None) -> None:
         c = state.counters
         c.requests += 1
         c.prompt_tokens += out.num_prompt_tokens
         c.cached_tokens += out.num_cached_tokens
         c.generation_tokens += out.num_output_tokens
+        if predicted is not None:
+            c.predicted_requests += 1
+            c.predicted_tokens += predicted
+            c.predicted_cached_tokens += min(predicted, out.num_cached_tokens)
+            short = predicted - out.num_cached_tokens
+            if short > 0:
+                c.mispredicted_tokens += short
+                logger.info("rank %d: request %s had %d cached prompt tokens of the %d the "
+                            "router predicted", state.rank, request_id, out.num_cached_tokens,
+                            predicted)  # fmt: skip

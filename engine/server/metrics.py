@@ -31,6 +31,24 @@ _FAMILIES = [
         "counter",
         lambda s: s.counters.generation_tokens,
     ),
+    (
+        "router_predicted_tokens",
+        "Cached prompt tokens a router predicted for the requests it sent (its header)",
+        "counter",
+        lambda s: s.counters.predicted_tokens,
+    ),
+    (
+        "router_predicted_cached_tokens",
+        "Of the prompt tokens a router predicted cached, those the rank had",
+        "counter",
+        lambda s: s.counters.predicted_cached_tokens,
+    ),
+    (
+        "router_mispredicted_tokens",
+        "Prompt tokens a router predicted cached that the rank had not (it computed them)",
+        "counter",
+        lambda s: s.counters.mispredicted_tokens,
+    ),
     ("request_errors", "Requests that failed on the rank", "counter", lambda s: s.counters.errors),
     (
         "request_aborts",

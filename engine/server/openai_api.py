@@ -29,6 +29,20 @@ class ParsedRequest:
     model: str
     rank_hint: int | None
     pretokenized: bool = False  # the prompt's ids came with it (PRETOKENIZED): not encoded here
+    predicted: int | None = None  # the prompt tokens a router predicted cached (PREDICTED_HEADER)
+
+
+# a router's prediction of the prompt tokens this engine has cached for a request (ours sends it:
+# apps/routing/proxy/wire.py): counted against what the rank had, on /metrics and in the log
+PREDICTED_HEADER = "x-dpmesh-predicted-cached-tokens"
+
+
+def predicted_of(headers: dict[str, str]) -> int | None:
+    """The router's prediction, or None (absent or not a small non-negative integer)."""
+    value = headers.get(PREDICTED_HEADER)
+    if value is None or not value.isdigit() or len(value) > 9:
+        return None
+    return int(value)
 
 
 def _is_number(v) -> bool:
@@ -239,6 +253,7 @@ def parse(
         model or "",
         hint,
         pretokenized=given is not None and ids is given,
+        predicted=predicted_of(headers),
     )
 
 

@@ -23,6 +23,7 @@ import time
 
 from apps.routing.decision.fleet import Target
 from apps.routing.decision.load import LoadTicket
+from apps.routing.decision.misses import MissPlan, MissReasons
 from apps.routing.decision.request_shape import RequestShape
 from apps.routing.decision.router_stats import RouterStats
 from apps.routing.decision.timing import TimingSample
@@ -55,7 +56,7 @@ class Dispatch:
     """A request sent to ``target``: what the index predicted, its load ticket, its timing."""
 
     __slots__ = ("target", "shape", "predicted_tokens", "ticket", "trial", "started", "_stats",
-                 "_observers", "_timing", "_clock")  # fmt: skip
+                 "_observers", "_timing", "_clock", "plan", "_misses", "_explained")  # fmt: skip
 
     def __init__(
         self,
@@ -69,6 +70,8 @@ class Dispatch:
         observers: list[DispatchObserver],
         timing: TimingSample | None = None,
         clock=time.perf_counter,
+        plan: MissPlan | None = None,
+        misses: MissReasons | None = None,
     ):
         self.target, self.shape, self.predicted_tokens = target, shape, predicted_tokens
         self.ticket = ticket
@@ -77,6 +80,10 @@ class Dispatch:
         self.started = clock()
         self._stats, self._observers = stats, observers
         self._timing = timing  # the router's time model learns from this request's first token
+        # what the router knew, to name the reason of every prompt token the engine computed
+        # (apps/routing/decision/misses.py); None where it predicts nothing (a passthrough path)
+        self.plan, self._misses = plan, misses
+        self._explained: tuple | None = None
 
     @property
     def prefill_tokens(self) -> int:
@@ -100,6 +107,21 @@ class Dispatch:
         for observer in self._observers:
             observer.first_token(self.target.key, seconds)
 
+    def miss_reasons(self, usage: dict | None) -> dict[str, int] | None:
+        """Tokens per reason for the prompt tokens the engine computed (its ``usage`` says how
+        many it had cached; without them: the reasons expected if it had what the router
+        predicted). None where the router predicts nothing. Worked out once per usage."""
+        if self.plan is None or self._misses is None:
+            return None
+        cached = cached_of(usage)
+        prompt = (usage or {}).get("prompt_tokens") if cached is not None else None
+        if not isinstance(prompt, int):
+            prompt = self.plan.shape.prompt_tokens
+        key = (prompt, self.predicted_tokens if cached is None else cached)
+        if self._explained is None or self._explained[0] != key:
+            self._explained = (key, *self._misses.explain(self.plan, *key))
+        return self._explained[1]
+
     def finish(self, *, ok: bool, usage: dict | None = None, aborted: bool = False) -> None:
         """End the request (idempotent). ``usage``: the engine's, for its cached tokens;
         ``aborted``: the client left first (not the target's error)."""
@@ -114,13 +136,13 @@ class Dispatch:
             breaker.record_success()
         if self.trial:
             breaker.trial_done()
-        details = (usage or {}).get("prompt_tokens_details") or {}
+        cached = cached_of(usage)
         self._stats.finished(
-            self.target.key,
-            ok=ok,
-            cached_tokens=details.get("cached_tokens") if usage else None,
-            aborted=aborted and not ok,
+            self.target.key, ok=ok, cached_tokens=cached, aborted=aborted and not ok
         )
+        if ok and cached is not None and self.miss_reasons(usage) is not None:
+            _, reasons, diverged_at = self._explained
+            self._misses.count(self.plan, reasons, diverged_at)
 
     def unreachable(self) -> None:
         """The target failed before answering anything (refused, reset, a retryable status):
@@ -132,3 +154,10 @@ class Dispatch:
     def _tell_prefilled(self) -> None:
         for observer in self._observers:
             observer.prefilled(self.target.key, self.shape.digests)
+
+
+def cached_of(usage: dict | None) -> int | None:
+    """The engine's cached prompt tokens in an OpenAI ``usage`` (None: not reported)."""
+    details = (usage or {}).get("prompt_tokens_details") or {}
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return cached if isinstance(cached, int) and not isinstance(cached, bool) else None

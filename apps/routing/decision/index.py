@@ -16,6 +16,8 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 
+LOST_KEPT = 200_000  # evicted digests remembered (~20 MB at most)
+
 
 class PrefixIndex:
     def __init__(self, ttl_s: float = 600.0, default_capacity: int = 100_000, clock=time.monotonic):
@@ -32,6 +34,10 @@ class PrefixIndex:
         # prompt, a few-shot header); a chain of single-child blocks is one session's history.
         self.first_child: dict[int, int] = {}
         self.branching: set[int] = set()
+        # digest -> the ranks that held it and lost it (evicted by their engine, its LRU or the
+        # TTL), latest last, bounded: the miss reasons' "evicted" (apps/routing/decision/misses.py)
+        self.lost: OrderedDict[int, int] = OrderedDict()
+        self.lost_cap = LOST_KEPT
 
     def set_capacity(self, key: str, blocks: int | None) -> None:
         self.capacity[key] = blocks or self.default_capacity
@@ -130,6 +136,7 @@ class PrefixIndex:
         for digest in digests:
             if lru.pop(digest, None) is not None:
                 self._disown(digest, key)
+                self._lose(digest, key)
                 removed += 1
         return removed
 
@@ -161,6 +168,25 @@ class PrefixIndex:
         while lru and (len(lru) > cap or now - next(iter(lru.values())) > self.ttl_s):
             digest, _ = lru.popitem(last=False)
             self._disown(digest, key)
+            self._lose(digest, key)
+
+    def _lose(self, digest: int, key: str) -> None:
+        lost = self.lost
+        lost[digest] = lost.pop(digest, 0) | self._bits[key]
+        if len(lost) > self.lost_cap:
+            lost.popitem(last=False)
+
+    def evicted_run(self, key: str, digests: list[int], start: int) -> int:
+        """How many blocks of ``digests`` from ``start`` on rank ``key`` held and lost, in a row."""
+        bit = self._bits.get(key)
+        if bit is None:
+            return 0
+        lost, run = self.lost, 0
+        for digest in digests[start:]:
+            if not lost.get(digest, 0) & bit:
+                break
+            run += 1
+        return run
 
     def _disown(self, digest: int, key: str) -> None:
         holders = self.owners.get(digest)

@@ -143,15 +143,25 @@ class RequestShape:
     the router's too: each candidate's prompt tokens of the last minutes relative to the candidates'
     mean (``ServedVolume.excess``; None: not known, and a policy ignores it). ``warm`` is the
     router's too, on an idle fleet: the candidates that were their worker's rank used last and
-    have room for the request in their cache (empty while anything is in flight)."""
+    have room for the request in their cache (empty while anything is in flight). ``ids`` are the
+    token ids the digests were made from (None: digests of text, no tokenizer) and ``namespace``
+    the tenant key they chain on (``tenant_namespace``): what the miss reasons look at
+    (apps/routing/decision/misses.py)."""
 
     __slots__ = ("digests", "prompt_tokens", "block_tokens", "chat", "prefix_share",
-                 "volume_excess", "warm", "hittable_blocks")  # fmt: skip
+                 "volume_excess", "warm", "hittable_blocks", "ids", "namespace")  # fmt: skip
 
     def __init__(
-        self, digests: list[int], prompt_tokens: int, block_tokens: int, chat: bool = False
+        self,
+        digests: list[int],
+        prompt_tokens: int,
+        block_tokens: int,
+        chat: bool = False,
+        ids=None,
+        namespace: int | None = None,
     ):
         self.digests, self.prompt_tokens, self.block_tokens = digests, prompt_tokens, block_tokens
+        self.ids, self.namespace = ids, namespace
         # blocks an engine can serve from cache: it always recomputes the last prompt token (read
         # several times per candidate by the policy: an attribute, not a property)
         self.hittable_blocks = max(0, (prompt_tokens - 1) // block_tokens)
@@ -213,9 +223,11 @@ def shape_request(
         else:
             ids = prompt_token_ids(body, chat, tokenizer)
         if ids is not None:
-            digests = chain_digests(ids, block_size, tenant_namespace(body, adapter))
-            return RequestShape(digests, len(ids), block_size, chat)
+            tenant = tenant_namespace(body, adapter)
+            digests = chain_digests(ids, block_size, tenant)
+            return RequestShape(digests, len(ids), block_size, chat, ids, tenant)
     text = routing_text(body, chat)
     # ~4 characters a token: good enough to weigh the work of a foreign engine's request
-    digests = text_digests(text[: 4 * ROUTING_TOKEN_CAP], tenant_namespace(body, adapter))
-    return RequestShape(digests, max(1, len(text) // 4), CHUNK_CHARS // 4, chat)
+    tenant = tenant_namespace(body, adapter)
+    digests = text_digests(text[: 4 * ROUTING_TOKEN_CAP], tenant)
+    return RequestShape(digests, max(1, len(text) // 4), CHUNK_CHARS // 4, chat, None, tenant)

@@ -20,6 +20,7 @@ from apps.routing.decision.demand import PrefixDemand, ServedVolume
 from apps.routing.decision.dispatch import Dispatch, DispatchObserver
 from apps.routing.decision.fleet import Fleet, Target, WorkerView
 from apps.routing.decision.index import PrefixIndex
+from apps.routing.decision.misses import MissPlan, MissReasons
 from apps.routing.decision.policies import DecodeLeg, Policy, make_policy
 from apps.routing.decision.request_shape import RequestShape, shape_request
 from apps.routing.decision.router_stats import RouterStats
@@ -51,6 +52,7 @@ class Router:
         self.volume = ServedVolume()  # each target's prompt tokens of the last minutes
         self.sessions = SessionTable(ttl_s=self.config.session_ttl_s)
         self.stats = RouterStats()
+        self.misses = MissReasons(self.index)  # why prompts were not all cached (misses.py)
         self.timing = Timing()  # what a first token costs in time, per worker, as observed
         self.clock = time.perf_counter  # what a dispatch times itself with (the lab: virtual)
         self.policy: Policy = self._make_policy(self.config.policy)
@@ -152,8 +154,14 @@ class Router:
             and (target.rank is None or target.worker.pin_check.get(path, True))
         )
         predicted = self._cached_tokens(target, shape, matched, primary) if placed else 0
+        plan = None
+        if predict and path in CACHED_PATHS:
+            plan = self._miss_plan(target, candidates, shapes, matched, primary, predicted,
+                                   placed, session)  # fmt: skip
         if not placed:  # the engine picks the rank: its blocks are nowhere the index could say
             shape = RequestShape([], shape.prompt_tokens, shape.block_tokens, shape.chat)
+            if plan is not None:
+                plan.shape = shape
         # A session's turn: its private history is already there (it continues), or a chat request
         # with none anywhere (a conversation starts here and its next turns will follow). Counting
         # starts at once matters: a burst of new conversations is placed before any of them has a
@@ -181,7 +189,25 @@ class Router:
             observers=self.observers,
             timing=sample,
             clock=self.clock,
+            plan=plan,
+            misses=self.misses,
         )
+
+    def _miss_plan(self, target, candidates, shapes, matched, primary, predicted, placed,
+                   session) -> MissPlan:  # fmt: skip
+        """What the miss reasons need to know of this decision (apps/routing/decision/misses.py):
+        the deepest match of any candidate, in the target's tokens; the session's last turn."""
+        shape = shapes[target.key]
+        best = predicted
+        if placed:
+            for t in candidates:
+                if matched.get(t.key, 0) > matched.get(target.key, 0):
+                    best = max(best, self._cached_tokens(t, shapes[t.key], matched, primary))
+        tokenizer = self.tokenizer_path_of(target)
+        previous = self.misses.previous_turn(session, shape, tokenizer) if session else None
+        return MissPlan(target.key, session, shape, predicted, best, unplaced=not placed,
+                        text=shape.ids is None, previous=previous,
+                        tokenizer=tokenizer)  # fmt: skip
 
     @staticmethod
     def _cached_tokens(target: Target, shape: RequestShape, matched, primary) -> int:

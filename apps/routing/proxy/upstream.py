@@ -257,6 +257,7 @@ async def _attempt(
                 if path == wire.RESPONSES_PATH
                 else None
             )
+            headers += wire.misses_header(dispatch, None)
             await _relay_stream(dispatch, response, wire.wants_usage(body), send, headers,
                                 ending, cached_tokens, remember)  # fmt: skip
         else:
@@ -272,6 +273,8 @@ async def _attempt(
             if ending.ok and cached_tokens is not None:
                 content = wire.with_cached_tokens(content, cached_tokens)
             ending.usage = wire.usage_from_body(content) if ending.ok else None
+            if ending.ok:
+                headers += wire.misses_header(dispatch, ending.usage)
             await send_body(send, response.status, content, content_type.encode(), headers)
         return None
     except asyncio.CancelledError:  # the client left

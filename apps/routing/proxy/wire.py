@@ -17,7 +17,7 @@ import json
 
 import msgspec
 
-from apps.routing.decision.dispatch import Dispatch
+from apps.routing.decision.dispatch import Dispatch, cached_of
 from apps.routing.decision.router import Router
 from controlplane import http
 from serving.openai_fields import PRETOKENIZED
@@ -71,10 +71,28 @@ def upstream_headers(dispatch: Dispatch) -> dict:
     }
     if dispatch.target.rank is not None:
         headers["x-data-parallel-rank"] = str(dispatch.target.rank)
+    if dispatch.plan is not None:  # the engine counts what it had against it (issue 27)
+        headers[PREDICTED_HEADER] = str(dispatch.predicted_tokens)
     return headers
 
 
 OVERHEAD_HEADER = b"x-dpmesh-overhead-duration-ms"  # as LiteLLM's x-litellm-overhead-duration-ms
+# the prompt tokens the router predicted cached on the engine it sent a request to
+PREDICTED_HEADER = "x-dpmesh-predicted-cached-tokens"
+# the request's miss reasons (apps/routing/decision/misses.py): ``basis=engine`` with the engine's
+# cached tokens (an answer read whole), ``basis=predicted`` as the router expects them (a stream,
+# whose usage comes after its headers), then ``reason=tokens`` for each reason with some
+MISSES_HEADER = b"x-dpmesh-cache-misses"
+
+
+def misses_header(dispatch: Dispatch, usage: dict | None) -> list:
+    """The request's miss reasons as a header (none where the router predicts nothing)."""
+    reasons = dispatch.miss_reasons(usage)
+    if reasons is None:
+        return []
+    basis = "predicted" if cached_of(usage) is None else "engine"
+    parts = [f"basis={basis}"] + [f"{r}={n}" for r, n in reasons.items()]
+    return [(MISSES_HEADER, "; ".join(parts).encode())]
 
 
 def route_headers(dispatch: Dispatch, response, overhead_s: float | None = None) -> list:
