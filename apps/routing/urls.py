@@ -15,5 +15,6 @@ urlpatterns = [
     path("v1/models", views.models),
     path("health", views.health),
     path("metrics", views.metrics),
+    path("misses", views.misses),
     path("", include("apps.replicas.urls")),
 ]

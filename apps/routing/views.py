@@ -2,13 +2,14 @@
 is a plain ASGI app in front of Django: apps/routing/proxy/endpoint.py.
 
 ``/v1/models`` needs an API key when some are configured (apps/replicas/auth.py); ``/health`` and
-``/metrics`` are always open."""
+``/metrics`` are always open; ``/misses`` too, but the prompts' text in it only with an admin key
+or a staff session."""
 
 from __future__ import annotations
 
 from django.http import HttpResponse, JsonResponse
 
-from apps.replicas.auth import api_key_allowed, invalid_api_key_response
+from apps.replicas.auth import admin_refusal, api_key_allowed, invalid_api_key_response
 from apps.routing import worker_metrics
 from apps.routing.live import router_of
 
@@ -48,3 +49,10 @@ async def metrics(request):
         worker_metrics.render(router_of(request)),
         content_type="text/plain; version=0.0.4; charset=utf-8",
     )
+
+
+async def misses(request):
+    """Why prompts were not all served from cache (apps/routing/decision/misses.py): tokens per
+    target and reason, the latest divergences of sessions' turns, the sessions that diverge most."""
+    renderings = await admin_refusal(request) is None
+    return JsonResponse(router_of(request).misses.as_dict(renderings))

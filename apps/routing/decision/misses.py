@@ -187,8 +187,8 @@ class MissReasons:
         previous, at = plan.previous, None
         if previous is not None:
             at = divergence(previous, shape.ids, digests)
-            held = min(len(previous.ids) - 1, len(previous.digests) * bt)
-            if at < held:  # the last turn's blocks from ``at`` on were cached, and are no use
+            held = len(previous.digests) * bt  # the last turn's full blocks, all cached by it
+            if at < held:  # those from ``at`` on are no use to this turn
                 claim("diverged", at // bt * bt, held)
             else:
                 at = None
@@ -224,8 +224,26 @@ class MissReasons:
         })  # fmt: skip
 
     def worst_sessions(self, n: int = 10) -> list[tuple[str, int]]:
+        """The sessions that lost the most tokens to divergence, most first."""
         items = sorted(self.diverged_sessions.items(), key=lambda kv: -kv[1])
         return items[:n]
+
+    def as_dict(self, renderings: bool) -> dict:
+        """For GET /misses and the dashboard; the prompts' text only with ``renderings``."""
+        targets: dict[str, dict[str, int]] = {}
+        for (key, reason), n in self.tokens.items():
+            targets.setdefault(key, {})[reason] = n
+        divergences = [
+            d if renderings else {k: v for k, v in d.items() if k not in ("previous", "current")}
+            for d in reversed(self.divergences)
+        ]
+        return {
+            "requests": self.requests,
+            "reasons": list(REASONS),
+            "targets": targets,
+            "divergences": divergences,  # latest first
+            "worst_sessions": [{"session": s, "tokens": n} for s, n in self.worst_sessions()],
+        }
 
 
 def _render(tokenizer_path: str | None, ids, at: int) -> dict:
