@@ -105,6 +105,9 @@ def build_snapshot(router, admission=None) -> dict:
         "workers": worker_rows,
         "series": chart,
         "bench": _bench_runs(),
+        # why prompts were not all cached, as this router process counted (misses.py); the
+        # dashboard is for staff, who see the diverging turns' text
+        "misses": router.misses.as_dict(renderings=True),
     }
 
 

@@ -246,6 +246,42 @@ def test_the_policy_switch_on_the_dashboard_changes_the_next_requests_routing(fl
     assert wait_for(lambda: js(browser, "window.lastSnapshot.policy") == "cache_aware", timeout=10)
 
 
+def test_the_dashboard_says_why_prompts_missed_and_which_sessions_diverge(fleet, browser):
+    engine, router = fleet
+    if "/dashboard" not in browser.current_url:
+        log_in(browser, router.url)
+    first = [(7 * i) % 3000 + 500 for i in range(120)]
+    second = first[:70] + [(11 * i) % 3000 + 500 for i in range(60)]  # rewritten from token 70
+    with httpx.Client(base_url=router.url, timeout=60, headers={"X-Session-ID": "edits"}) as c:
+        for prompt in (first, second):
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 2}
+            assert c.post("/v1/completions", json=body).status_code == 200
+
+    def divergence_rows():
+        return browser.execute_script(
+            "return [...document.querySelectorAll('#divergences tr[data-session]')].map("
+            "tr => [...tr.children].map(td => td.textContent));"
+        )
+
+    assert wait_for(lambda: divergence_rows(), timeout=10), "no diverging session shown"
+    session, token, lost, target, before, earlier, now = divergence_rows()[0]
+    assert (session, token) == ("h:edits", "70")
+    assert int(lost) > 0 and target.startswith(engine.url)
+    assert earlier != now and before  # the two renderings side by side, the same before it
+    # the reasons table: a row per rank that served, and the diverged tokens on this one
+    reasons = browser.execute_script(
+        "const out = {};"
+        " for (const tr of document.querySelectorAll('#miss-reasons tr[data-target]')) {"
+        "  const tds = [...tr.querySelectorAll('[data-reason]')];"
+        "  out[tr.dataset.target] = Object.fromEntries("
+        "    tds.map(td => [td.dataset.reason, Number(td.textContent)]));"
+        " } return out;"
+    )
+    assert reasons[target]["diverged"] == int(lost), reasons
+    assert all(r["never_seen"] > 0 and r["tail"] > 0 for r in reasons.values()), reasons
+    assert "edits" in browser.find_element("id", "worst-sessions").text
+
+
 def test_anonymous_requests_are_refused(fleet):
     engine, router = fleet
     with httpx.Client(base_url=router.url, timeout=10) as client:

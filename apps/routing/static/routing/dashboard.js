@@ -79,6 +79,7 @@
     hitKeys: "", // the rank keys the hit-rate chart was built for
     benchRunId: null, // the run #chart-bench currently shows
     benchTableKey: "", // what #bench-runs was last rendered from
+    missesKey: "", // what #misses was last rendered from
     warnedNoUPlot: false,
   };
 
@@ -595,6 +596,43 @@
   // ---------------------------------------------------------------- snapshot
 
   /** Render one snapshot. Each section is isolated so one bad field cannot stop the others. */
+  function renderMisses(snap) {
+    // Why prompts missed the cache: tokens per rank and reason, then the diverging sessions.
+    const m = snap.misses;
+    if (!m) return;
+    const key = JSON.stringify([m.targets, m.divergences, m.worst_sessions]);
+    if (key === state.missesKey) return;
+    state.missesKey = key;
+    const reasons = m.reasons || [];
+    const head = $("#miss-reasons-head");
+    if (head.children.length !== reasons.length + 1) {
+      head.replaceChildren(el("th", { class: "left" }, "rank"),
+        ...reasons.map((r) => el("th", {}, r.replace(/_/g, " "))));
+    }
+    const rows = Object.keys(m.targets || {}).sort().map((target) => {
+      const tr = el("tr", { "data-target": target });
+      tr.append(el("td", { class: "left" }, target));
+      for (const r of reasons) {
+        tr.append(el("td", { class: "num", "data-reason": r }, fmtInt(m.targets[target][r] || 0)));
+      }
+      return tr;
+    });
+    if (rows.length) $("#miss-reasons tbody").replaceChildren(...rows);
+    const divergences = (m.divergences || []).map((d) => {
+      const tr = el("tr", { "data-session": d.session });
+      const text = (part, field) => (d[part] ? d[part][field] : DASH);
+      for (const [v, cls] of [[d.session, "left"], [fmtInt(d.token), "num"],
+        [fmtInt(d.tokens), "num"], [d.target, "left"], [text("previous", "before"), "left mono"],
+        [text("previous", "from"), "left mono"], [text("current", "from"), "left mono"]]) {
+        tr.append(el("td", { class: cls }, v));
+      }
+      return tr;
+    });
+    if (divergences.length) $("#divergences tbody").replaceChildren(...divergences);
+    const worst = (m.worst_sessions || []).map((w) => `${w.session} (${fmtInt(w.tokens)} tokens)`);
+    setText($("#worst-sessions"), worst.length ? `diverging most: ${worst.join(", ")}` : "");
+  }
+
   function renderSnapshot(snap) {
     window.dashboardSnapshots = (window.dashboardSnapshots || 0) + 1;
     window.lastSnapshot = snap;
@@ -608,6 +646,7 @@
       ["policy", () => renderPolicy(snap)],
       ["ranks", () => renderRanks(snap)],
       ["bench table", () => renderBenchTable(runs)],
+      ["miss reasons", () => renderMisses(snap)],
     ];
     if (haveUPlot()) {
       sections.push(
