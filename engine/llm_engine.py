@@ -41,6 +41,9 @@ class RequestOutput:
     num_output_tokens: int
     # a prefill for a remote decode: the prompt's full blocks, held here until pulled
     held_block_ids: list[int] | None = None
+    # with a request's first token: its prefill chunks as (start, end) wall-clock seconds and
+    # tokens, for the front's trace spans (serving/tracing.py)
+    prefill_chunks: list[tuple[float, float, int]] | None = None
 
 
 @dataclass
@@ -248,7 +251,12 @@ class LLMEngine:
         if not batch.items:
             return []
         self._log_prefill(batch)
+        began = time.time()
         tokens = self.runner.run(batch)
+        if batch.prefills:
+            ended = time.time()
+            for p in batch.prefills:
+                p.seq.prefill_chunks.append((began, ended, p.num_tokens))
         outputs = self._postprocess(batch, tokens)
         self.runner.end_step(started)
         return outputs
@@ -316,6 +324,7 @@ class LLMEngine:
             seq.num_cached_tokens if req.cached_tokens is None else req.cached_tokens,
             seq.num_output_tokens,
             held.block_ids if reason and held else None,
+            seq.prefill_chunks if seq.num_output_tokens == 1 else None,
         )
 
     def _hold(self, seq: Sequence, key: str) -> Held:

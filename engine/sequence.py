@@ -40,6 +40,7 @@ class Sequence:
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
         self.admitted = False  # True once first scheduled (stats count a request once)
         self.num_preemptions = 0
+        self.prefill_chunks: list[tuple[float, float, int]] = []  # for traces (llm_engine.step)
         self.finish_reason: str | None = None
         self._digests: list[int] = []
         # the first block's parent: its tenant (salt) and adapter, whose KV is not the base model's

@@ -189,6 +189,9 @@ def _serve_one(
     **where,
 ) -> None:
     """One router process, listening on ``sock`` when given (a worker of ``serve_workers``)."""
+    from serving import tracing
+
+    tracing.setup("dpmesh-router")  # its spans, when an OTLP endpoint is configured
     if server == "daphne":
         from daphne.server import Server  # installs the asyncio reactor first
         from twisted.internet import reactor

@@ -19,6 +19,7 @@ from engine.server import pd, responses
 from engine.server.frontend import EngineClient, RankFailed, RankUnavailable
 from engine.server.metrics import make_registry, render
 from engine.server.served_models import ServedModels
+from serving import tracing
 from serving.asgi import (
     BodyTimeout,
     BodyTooLarge,
@@ -37,6 +38,11 @@ from serving.openai_fields import OFF_LOOP_CHARS, APIError, prompt_text_chars, s
 logger = logging.getLogger(__name__)
 
 KV_KEEPALIVE_S = 10.0
+
+
+def traced(headers: dict) -> tuple | None:
+    """(the client's trace context or None) while traces are exported, else None."""
+    return None if tracing.TRACER is None else (tracing.parent_from(headers),)
 
 
 def rank_header(rank: int | None) -> list:
@@ -281,7 +287,7 @@ class EngineApp:
         except RankUnavailable as exc:
             raise APIError(503, str(exc)) from exc
         outputs = self.client.generate(rid, rank, req.prompt_token_ids, req.params,
-                                       predicted=req.predicted)  # fmt: skip
+                                       predicted=req.predicted, trace=traced(headers))  # fmt: skip
         model = self.served_models.answer_name(req.params.lora_name)
         writer = responses.EventWriter(rid, model, body)
         relay = self._respond(req, writer, rank, outputs, send)
@@ -359,7 +365,8 @@ class EngineApp:
         if req.pretokenized:
             self.client.ranks[rank].counters.pretokenized += 1
         outputs = self.client.generate(rid, rank, req.prompt_token_ids, req.params,
-                                       predicted=req.predicted, **transfer)  # fmt: skip
+                                       predicted=req.predicted, trace=traced(headers),
+                                       **transfer)  # fmt: skip
         relay = (
             self._stream(req, rid, rank, outputs, send)
             if req.stream

@@ -11,6 +11,7 @@ import itertools
 import logging
 import multiprocessing as mp
 import threading
+import time
 from dataclasses import dataclass, field, replace
 
 from engine.config import EngineConfig
@@ -27,10 +28,24 @@ from engine.server.ipc import (
     Shutdown,
 )
 from engine.server.rank import rank_main
+from serving import tracing
 
 logger = logging.getLogger(__name__)
 
 LOAD_BALANCE_POLICIES = ("least_requests", "round_robin", "least_tokens")
+
+
+def _trace(times: list, out: RequestOutput, parent, rank: int, prompt_tokens: int) -> None:
+    """Note a traced request's first token; at its end, make its spans (serving/tracing.py)."""
+    now = time.time_ns()
+    if times[1] is None:
+        times[1] = now
+        times[2] = out.prefill_chunks
+    if out.finished:
+        attributes = {"dpmesh.rank": rank, "gen_ai.usage.input_tokens": prompt_tokens,
+                      "dpmesh.cached_tokens": out.num_cached_tokens,
+                      "gen_ai.usage.output_tokens": out.num_output_tokens}  # fmt: skip
+        tracing.engine_request_spans(parent, times[0], times[1], now, times[2], attributes)
 
 
 class RankUnavailable(Exception):
@@ -314,11 +329,13 @@ class EngineClient:
         prompt_token_ids: list[int],
         params: SamplingParams,
         predicted: int | None = None,
+        trace: tuple | None = None,
         **transfer,
     ):
         """Yield RequestOutputs of one request on ``rank``. Load is held from here until the
         generator closes, whichever way it closes (finish, error, client disconnect).
-        ``predicted``: the cached prompt tokens a router predicted for it; ``transfer``:
+        ``predicted``: the cached prompt tokens a router predicted for it; ``trace``: (the
+        client's trace context or None) when traces are exported (serving/tracing.py); ``transfer``:
         ``AddRequest``'s prefill/decode fields (``hold_kv``, ``pull``, ``cached_tokens``)."""
         state = self.ranks[rank]
         if not state.alive:
@@ -328,10 +345,13 @@ class EngineClient:
         state.inflight_requests += 1
         state.inflight_tokens += len(prompt_token_ids)
         finished = False
+        times = [time.time_ns(), None, None] if trace is not None else None  # arrival, first token
         try:
             state.inbox.send(AddRequest(request_id, prompt_token_ids, params, **transfer))
             while not finished:
                 item = await queue.get()
+                if times is not None and not isinstance(item, Exception):
+                    _trace(times, item, trace[0], rank, len(prompt_token_ids))
                 if isinstance(item, Exception):
                     state.counters.errors += 1
                     finished = True  # the rank no longer holds it: nothing to abort

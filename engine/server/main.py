@@ -48,6 +48,9 @@ def build(args):
     client = EngineClient(config, dp_size, args.dp_load_balance)
     threads = args.threads_per_rank or max(1, _cores() // dp_size)
     client.start(threads)
+    from serving import tracing
+
+    tracing.setup("dpmesh-engine")  # the front's spans (the ranks are started: none inherit it)
     return client, tokenizer, model_path, dp_size, tp_size
 
 

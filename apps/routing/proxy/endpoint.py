@@ -32,7 +32,7 @@ from apps.routing.decision.sessions import session_of
 from apps.routing.proxy import limits, tenants
 from apps.routing.proxy.admission import Admission, Rejected, make_admission
 from apps.routing.proxy.upstream import ProxyError, proxy_request
-from serving import memory
+from serving import memory, tracing
 from serving.asgi import (
     BodyTimeout,
     BodyTooLarge,
@@ -76,12 +76,23 @@ class OpenAIEndpoint:
         self.tenants.attach(router)
 
     async def __call__(self, scope, receive, send) -> None:
+        if tracing.TRACER is None:
+            await self._handle(scope, receive, send)
+            return
+        parent = tracing.parent_from(scope.get("headers"))  # the client's traceparent
+        route = {"http.route": scope["path"]}
+        with tracing.server_span("dpmesh.router.request", parent, **route) as span:
+            await self._handle(scope, receive, send, span)
+
+    async def _handle(self, scope, receive, send, span=None) -> None:
         arrived = time.perf_counter()
         path, stats = scope["path"], self.router.stats
 
         async def send(message, send=send):  # counts every answer by status for /metrics
             if message["type"] == "http.response.start":
                 stats.responded(path, message["status"])
+                if span is not None:
+                    span.set_attribute("http.response.status_code", message["status"])
             await send(message)
 
         if not api_key_allowed(scope_authorization(scope)):
@@ -170,7 +181,8 @@ class OpenAIEndpoint:
         wait for admission; ``tenant`` gets its fair share of the queue."""
         try:
             asked = time.perf_counter()
-            slot = await self.admission.acquire(priority, tenant)
+            with tracing.span("dpmesh.router.admission"):
+                slot = await self.admission.acquire(priority, tenant)
             arrived += time.perf_counter() - asked
         except Rejected as exc:
             await send_body(send, exc.status, exc.body(), headers=exc.headers())

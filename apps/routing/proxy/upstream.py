@@ -35,6 +35,7 @@ from apps.routing.proxy import limits, tenants, wire
 from controlplane import http1
 from controlplane.errors import error_bytes
 from engine.tokenize_cache import TooManyTokens
+from serving import tracing
 from serving.asgi import SSE_HEADERS, end_body, send_body, send_chunk
 from serving.openai_fields import APIError, too_long_message
 
@@ -76,6 +77,24 @@ class Ending:
             dispatch.unreachable()
         else:
             dispatch.finish(ok=self.ok, usage=self.usage, aborted=self.aborted)
+        if tracing.TRACER is not None:  # on the attempt's span: how it ended
+            self.annotate(dispatch, tracing.current_span())
+
+    def annotate(self, dispatch: Dispatch, span) -> None:
+        usage = self.usage or {}
+        attributes = {"dpmesh.ok": self.ok, "dpmesh.aborted": self.aborted,
+                      "dpmesh.unreachable": self.unreachable}  # fmt: skip
+        for key, name in (("prompt_tokens", "gen_ai.usage.input_tokens"),
+                          ("completion_tokens", "gen_ai.usage.output_tokens")):  # fmt: skip
+            if isinstance(usage.get(key), int):
+                attributes[name] = usage[key]
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        if isinstance(cached, int):
+            attributes["dpmesh.cached_tokens"] = cached
+        if self.ok:
+            for reason, tokens in (dispatch.miss_reasons(usage) or {}).items():
+                attributes[f"dpmesh.miss.{reason}"] = tokens
+        span.set_attributes(attributes)
 
 
 async def proxy_request(
@@ -158,17 +177,24 @@ async def _attempts(router, body, chat, path, send, model, rank, session, since,
     last: ProxyError | None = None
     for attempt in range(router.config.max_retries + 1):
         try:
-            dispatch = router.route(
-                routing or body,
-                chat,
-                model,
-                exclude=tried,
-                rank=rank,
-                session=session,
-                ids_by_path=ids_by_path,
-                path=path,
-                predict=predict,
-            )
+            with tracing.span("dpmesh.router.route") as span:
+                dispatch = router.route(
+                    routing or body,
+                    chat,
+                    model,
+                    exclude=tried,
+                    rank=rank,
+                    session=session,
+                    ids_by_path=ids_by_path,
+                    path=path,
+                    predict=predict,
+                )
+                if span is not None:
+                    span.set_attributes({
+                        "dpmesh.target": dispatch.target.key,
+                        "dpmesh.prompt_tokens": dispatch.shape.prompt_tokens,
+                        "dpmesh.predicted_cached_tokens": dispatch.predicted_tokens,
+                    })  # fmt: skip
         except NoTarget as exc:
             error = last or ProxyError(503, str(exc), "server_error")
             await send_body(send, error.status, error.body())
@@ -177,9 +203,17 @@ async def _attempts(router, body, chat, path, send, model, rank, session, since,
         last_try = attempt == router.config.max_retries
         given = None if chat else wire.ids_for(router, dispatch.target, ids_by_path)
         began = time.perf_counter()
-        retry = await _attempt(
-            router, dispatch, body, path, send, last_try=last_try, ids=given, since=since
-        )
+        if tracing.TRACER is None:
+            retry = await _attempt(
+                router, dispatch, body, path, send, last_try=last_try, ids=given, since=since
+            )
+        else:
+            with tracing.client_span("dpmesh.router.attempt", **{
+                    "dpmesh.target": dispatch.target.key, "dpmesh.attempt": attempt,
+                    "dpmesh.predicted_cached_tokens": dispatch.predicted_tokens}):  # fmt: skip
+                retry = await _attempt(
+                    router, dispatch, body, path, send, last_try=last_try, ids=given, since=since
+                )
         if retry is None:
             return
         last = retry
@@ -309,6 +343,8 @@ async def _relay_stream(
             if b"\n\n" not in buffer:
                 continue
             *events, buffer = buffer.split(b"\n\n")
+            if tracing.TRACER is not None and not dispatch.ticket.prefilled:
+                tracing.current_span().add_event("first_token")
             dispatch.first_token()  # once: the first event
             if remember is not None:
                 remember(events[0])

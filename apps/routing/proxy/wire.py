@@ -20,6 +20,7 @@ import msgspec
 from apps.routing.decision.dispatch import Dispatch, cached_of
 from apps.routing.decision.router import Router
 from controlplane import http
+from serving import tracing
 from serving.openai_fields import PRETOKENIZED
 
 
@@ -73,6 +74,8 @@ def upstream_headers(dispatch: Dispatch) -> dict:
         headers["x-data-parallel-rank"] = str(dispatch.target.rank)
     if dispatch.plan is not None:  # the engine counts what it had against it (issue 27)
         headers[PREDICTED_HEADER] = str(dispatch.predicted_tokens)
+    if tracing.TRACER is not None:  # the attempt's span is the engine's request's parent
+        tracing.inject(headers)
     return headers
 
 
