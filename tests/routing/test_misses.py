@@ -64,6 +64,12 @@ def test_what_another_rank_held_is_placed_elsewhere(tiny_path):
     assert reasons == {"placed_elsewhere": 96, "tail": 4}
 
 
+def test_what_a_rank_the_client_pinned_away_from_held_is_placed_elsewhere(tiny_path):
+    router = make_router(tiny_path)
+    served(router, ids(12), 0, rank=0)
+    assert served(router, ids(12), 0, rank=1) == {"placed_elsewhere": 96, "tail": 4}
+
+
 def test_an_evicted_prefix_is_evicted(tiny_path):
     router = make_router(tiny_path, capacity_blocks=20)
     served(router, ids(4), 0, rank=0)

@@ -10,7 +10,8 @@ reason whose span covers it, in this order:
 - ``pin_not_honoured``: the worker drops the rank pin on this path, so nothing was placed;
 - ``no_tokenizer``: routed on text digests (the worker's tokenizer could not be loaded): the
   router cannot say where its blocks are;
-- ``placed_elsewhere``: another candidate held it (balance, a session's home, the time check);
+- ``placed_elsewhere``: another candidate held it (balance, a session's home, the time check),
+  or a rank the client's pin ruled out;
 - ``evicted``: the target held it before and lost it (its engine's KV events, the index's LRU or
   TTL);
 - ``diverged``: the session's previous turn (same ``X-Session-ID`` or ``user``) had these

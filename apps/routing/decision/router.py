@@ -157,7 +157,8 @@ class Router:
         plan = None
         if predict and path in CACHED_PATHS:
             plan = self._miss_plan(target, candidates, shapes, matched, primary, predicted,
-                                   placed, session)  # fmt: skip
+                                   placed, session, model if rank is not None else None,
+                                   role)  # fmt: skip
         if not placed:  # the engine picks the rank: its blocks are nowhere the index could say
             shape = RequestShape([], shape.prompt_tokens, shape.block_tokens, shape.chat)
             if plan is not None:
@@ -194,15 +195,24 @@ class Router:
         )
 
     def _miss_plan(self, target, candidates, shapes, matched, primary, predicted, placed,
-                   session) -> MissPlan:  # fmt: skip
+                   session, pinned_model=None, role=None) -> MissPlan:  # fmt: skip
         """What the miss reasons need to know of this decision (apps/routing/decision/misses.py):
-        the deepest match of any candidate, in the target's tokens; the session's last turn."""
+        the deepest match of any candidate, in the target's tokens; the session's last turn. A
+        request pinned to a rank (``pinned_model``: its model) also looks at the ranks the pin
+        ruled out that digest its prompt alike: what they held was placed elsewhere too."""
         shape = shapes[target.key]
         best = predicted
         if placed:
             for t in candidates:
                 if matched.get(t.key, 0) > matched.get(target.key, 0):
                     best = max(best, self._cached_tokens(t, shapes[t.key], matched, primary))
+            if pinned_model is not None:
+                alike = (target.worker.tokenizer_path, target.worker.block_size)
+                others = [t.key for t in self.fleet.candidates(pinned_model, role)
+                          if t.key not in shapes
+                          and (t.worker.tokenizer_path, t.worker.block_size) == alike]  # fmt: skip
+                held = max(self.index.match(shape.digests, others).values(), default=0)
+                best = max(best, min(held, shape.hittable_blocks) * shape.block_tokens)
         tokenizer = self.tokenizer_path_of(target)
         previous = self.misses.previous_turn(session, shape, tokenizer) if session else None
         return MissPlan(target.key, session, shape, predicted, best, unplaced=not placed,
