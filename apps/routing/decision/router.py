@@ -155,7 +155,7 @@ class Router:
         )
         predicted = self._cached_tokens(target, shape, matched, primary) if placed else 0
         plan = None
-        if predict and path in CACHED_PATHS:
+        if predict and path in CACHED_PATHS and role != "decode":  # a decode leg computes no prompt
             plan = self._miss_plan(target, candidates, shapes, matched, primary, predicted,
                                    placed, session, model if rank is not None else None,
                                    role)  # fmt: skip
