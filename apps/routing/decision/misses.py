@@ -212,8 +212,8 @@ class MissReasons:
         session = plan.session
         sessions = self.diverged_sessions
         sessions[session] = sessions.get(session, 0) + tokens
-        if len(sessions) > 1000:  # keep the worst
-            for name in sorted(sessions, key=sessions.get)[: len(sessions) - 1000]:
+        if len(sessions) > 1000:  # keep the worst 800 (a sort per 200 new sessions, not each)
+            for name in sorted(sessions, key=sessions.get)[: len(sessions) - 800]:
                 del sessions[name]
         self.divergences.append({
             "session": session,
