@@ -97,7 +97,7 @@ def span(name: str, **attributes):
     return TRACER.start_as_current_span(name, attributes=attributes or None)
 
 
-def server_span(name: str, parent, **attributes):
+def server_span(name: str, parent, **attributes):  # called only while tracing is on
     """The first span of a request this process serves, the child of the client's own."""
     from opentelemetry.trace import SpanKind
 
@@ -107,7 +107,10 @@ def server_span(name: str, parent, **attributes):
 
 
 def client_span(name: str, **attributes):
-    """A span of a request this process sends on (its ``traceparent`` goes with it)."""
+    """A span of a request this process sends on (its ``traceparent`` goes with it); a no-op
+    while tracing is off, as ``span``."""
+    if TRACER is None:
+        return _NULL
     from opentelemetry.trace import SpanKind
 
     return TRACER.start_as_current_span(name, kind=SpanKind.CLIENT, attributes=attributes or None)

@@ -203,17 +203,15 @@ async def _attempts(router, body, chat, path, send, model, rank, session, since,
         last_try = attempt == router.config.max_retries
         given = None if chat else wire.ids_for(router, dispatch.target, ids_by_path)
         began = time.perf_counter()
-        if tracing.TRACER is None:
+        with tracing.client_span("dpmesh.router.attempt") as span:
+            if span is not None:
+                span.set_attributes({
+                    "dpmesh.target": dispatch.target.key, "dpmesh.attempt": attempt,
+                    "dpmesh.predicted_cached_tokens": dispatch.predicted_tokens,
+                })  # fmt: skip
             retry = await _attempt(
                 router, dispatch, body, path, send, last_try=last_try, ids=given, since=since
             )
-        else:
-            with tracing.client_span("dpmesh.router.attempt", **{
-                    "dpmesh.target": dispatch.target.key, "dpmesh.attempt": attempt,
-                    "dpmesh.predicted_cached_tokens": dispatch.predicted_tokens}):  # fmt: skip
-                retry = await _attempt(
-                    router, dispatch, body, path, send, last_try=last_try, ids=given, since=since
-                )
         if retry is None:
             return
         last = retry
