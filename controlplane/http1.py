@@ -13,6 +13,10 @@ timers. The proxy needs much less, and this is all it does:
   since the last read, joined), ``read_timeout_s`` at most between arrivals; reading from the
   engine pauses while ``HIGH_WATER`` bytes wait for a slow client, so a stream costs bounded
   memory;
+- or piped (``Response.pipe``): each piece handed to a function in the connection's own callback
+  as it arrives, so a streamed answer costs no task switch, timer or future per event (the relay
+  of a stream to a client, apps/routing/proxy/upstream.py); the function says when the client is
+  full, and reading pauses until it has drained;
 - ``Response.release``: the connection goes back to the pool when the answer was read whole and
   the server keeps it alive; otherwise it is closed, which is how an engine learns that a client
   left (it aborts the request and frees its KV blocks).
@@ -90,6 +94,8 @@ class _Connection(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.closed = False
         self.idle_since = 0.0
+        self.sink = None  # Response.pipe's function, while it pipes
+        self.last_arrival = 0.0  # when it was handed a piece last: its read timeout's clock
         self._reset()
 
     def _reset(self) -> None:
@@ -99,6 +105,7 @@ class _Connection(asyncio.Protocol):
         self.body: list[bytes] = []
         self.buffered = 0
         self.error: UpstreamError | None = None
+        self.sink_error: BaseException | None = None
         self.waiter: asyncio.Future | None = None
 
     # asyncio's side
@@ -112,7 +119,8 @@ class _Connection(asyncio.Protocol):
             self._fail(Disconnected("the engine answered with a protocol upgrade"))
         except httptools.HttpParserError as exc:
             self._fail(Disconnected(f"the engine's answer is not HTTP: {exc}"))
-        self._wake()
+        if self.sink is None or self.closed:  # a pipe wakes its reader only at the end or a pause
+            self._wake()
 
     def eof_received(self) -> bool:
         return False  # close our side too
@@ -137,6 +145,21 @@ class _Connection(asyncio.Protocol):
         self.headers_done = True
 
     def on_body(self, body: bytes) -> None:
+        if self.sink is not None:
+            if self.sink_error is not None:
+                return
+            self.last_arrival = self.loop.time()
+            try:
+                full = self.sink(body)
+            except Exception as exc:  # the reader raises it; the answer is not read further
+                self.sink_error = exc
+                self.close()
+                return
+            if full and not self.paused and not self.closed:
+                self.paused = True
+                self.transport.pause_reading()
+                self._wake()
+            return
         self.body.append(body)
         self.buffered += len(body)
         if self.buffered > HIGH_WATER and not self.paused and not self.closed:
@@ -145,6 +168,7 @@ class _Connection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         self.complete = True
+        self._wake()
 
     # the reader's side
     def take(self) -> bytes:
@@ -239,6 +263,44 @@ class Response:
                 raise conn.error
             else:
                 await conn.wait(self._timeout_s)
+
+    async def pipe(self, sink, drain) -> None:
+        """Hand each piece of the body to ``sink`` as it arrives, until the answer is whole,
+        from the connection's own callback: no task switch per piece. ``sink(piece)`` returns
+        true when the client cannot take more now; reading then pauses until ``await drain()``
+        returns. An exception ``sink`` raises ends the answer and is raised here. The read
+        timeout counts from the last piece (its timer is set again only when it fires, not for
+        each piece)."""
+        conn = self._conn
+        conn.last_arrival = conn.loop.time()
+        conn.sink = sink
+        timeout_s = self._timeout_s
+        try:
+            if conn.body and sink(conn.take()) and not conn.closed:  # what came with the head
+                conn.paused = True
+                conn.transport.pause_reading()
+            while not conn.complete:
+                if conn.sink_error is not None:
+                    raise conn.sink_error
+                if conn.error is not None:
+                    raise conn.error
+                if conn.paused:
+                    await drain()
+                    conn.paused = False
+                    if not conn.closed:
+                        conn.transport.resume_reading()
+                    continue
+                try:
+                    await conn.wait(timeout_s)
+                    timeout_s = self._timeout_s
+                except ReadTimeout:
+                    timeout_s = self._timeout_s - (conn.loop.time() - conn.last_arrival)
+                    if timeout_s <= 0:
+                        raise
+        finally:
+            conn.sink = None
+        if conn.sink_error is not None:
+            raise conn.sink_error
 
     def release(self) -> None:
         conn, self._conn = self._conn, None

@@ -46,6 +46,7 @@ class Behaviour:
     drop_after: int | None = None  # streamed: abort the connection after this many events
     cached_tokens: int = 0  # reported in usage.prompt_tokens_details
     reset: bool = False  # abort the connection before answering anything
+    padding: int = 0  # characters added to each streamed token's text (large events)
 
     @classmethod
     def hang(cls) -> Behaviour:
@@ -278,7 +279,8 @@ class StandIn:
             f"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
             f"cache-control: no-cache\r\ntransfer-encoding: chunked\r\n{rank_header}\r\n".encode()
         )
-        events = [chunk(self.model, chat, f"tok{i} ", None) for i in range(behaviour.tokens)]
+        pad = "x" * behaviour.padding
+        events = [chunk(self.model, chat, f"tok{i} {pad}", None) for i in range(behaviour.tokens)]
         events.append(chunk(self.model, chat, None, "length"))
         options = body.get("stream_options")
         if isinstance(options, dict) and options.get("include_usage") is True:

@@ -127,5 +127,19 @@ async def send_chunk(send, data: bytes):
     await send({"type": "http.response.body", "body": data, "more_body": True})
 
 
+# A server that can write a streamed answer's body straight to the client's connection puts an
+# object here in the request's ``scope["extensions"]`` (serving/uvicorn_server.py ``DirectBody``):
+# ``ready()`` (the answer has started, chunked), ``write(data)`` (one chunk, no task switch),
+# ``paused`` (the client's buffer is full) and ``await drain()``. The answer still starts and ends
+# through ``send``.
+DIRECT_BODY = "dpmesh.direct_body"
+
+
+def direct_body(scope):
+    """The server's direct writer of the answer's body (``DIRECT_BODY``), or None."""
+    extensions = scope.get("extensions")
+    return extensions.get(DIRECT_BODY) if extensions else None
+
+
 async def end_body(send, data: bytes = b""):
     await send({"type": "http.response.body", "body": data, "more_body": False})

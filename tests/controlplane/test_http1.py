@@ -219,3 +219,79 @@ async def test_an_idle_connection_past_the_keepalive_is_not_used_again(monkeypat
         await response.read()
         response.release()
         assert server.connections == 2
+
+
+async def test_a_piped_stream_hands_each_piece_to_the_sink_as_it_arrives_and_ends():
+    parts = [b"data: %d\n\n" % i for i in range(5)]
+    async with Server(chunked(parts, pause_s=0.01)) as server:
+        response = await post(server.url)
+        got, in_task = [], []
+
+        def sink(piece):
+            got.append(piece)
+            in_task.append(asyncio.current_task() is not None)
+            return False
+
+        await response.pipe(sink, None)
+        response.release()
+        assert b"".join(got) == b"".join(parts) and len(got) >= 3
+        # what came with the headers is handed over from the reader's task; the rest from the
+        # connection's callback, with no task running
+        assert not any(in_task[1:])
+        again = await post(server.url)  # read whole: the connection goes back to the pool
+        await again.read()
+        again.release()
+        assert server.connections == 1
+
+
+async def test_a_full_sink_pauses_the_engine_until_it_drains():
+    part = b"x" * 65536
+    count = 64
+    async with Server(chunked([part] * count)) as server:
+        response = await post(server.url)
+        conn = response._conn
+        received, drained = [], asyncio.Event()
+
+        def sink(piece):
+            received.append(len(piece))
+            return not drained.is_set()  # full until drained
+
+        async def drain():
+            await asyncio.sleep(0.3)
+            assert conn.paused
+            pieces = len(received)
+            await asyncio.sleep(0.2)
+            assert len(received) == pieces, "nothing is read while the client is full"
+            drained.set()
+
+        await response.pipe(sink, drain)
+        response.release()
+        assert sum(received) == len(part) * count
+
+
+async def test_a_failing_sink_ends_the_answer_with_its_error_and_closes_the_connection():
+    answer = chunked([b"data: 1\n\n", b"data: 2\n\n"], pause_s=0.05, then_hang=True)
+    async with Server(answer) as server:
+        response = await post(server.url)
+
+        def sink(piece):
+            raise ValueError("not an event")
+
+        with pytest.raises(ValueError, match="not an event"):
+            await response.pipe(sink, None)
+        response.release()
+        await asyncio.wait_for(answer.closed.wait(), 5)
+
+
+async def test_a_pipe_times_out_after_the_read_timeout_from_its_last_piece():
+    loop = asyncio.get_running_loop()
+    parts = [b"data: %d\n\n" % i for i in range(4)]
+    async with Server(chunked(parts, pause_s=0.15, then_hang=True)) as server:
+        response = await post(server.url, read_timeout_s=0.25)
+        times = []
+        with pytest.raises(http1.ReadTimeout):
+            await response.pipe(lambda piece: times.append(loop.time()), None)
+        ended = loop.time()
+        response.release()
+        assert len(times) == 4, "pieces 0.15 s apart do not time out at 0.25 s"
+        assert 0.2 <= ended - times[-1] < 0.5

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import socket
 import threading
 import time
@@ -559,6 +560,36 @@ def test_a_client_that_never_finishes_its_headers_is_cut_off(cluster):
         sock.sendall(b"X-Slow: 1\r\n")
         assert sock.recv(100) == b""  # closed by the router, not timed out here
         assert HEADER_TIMEOUT_S - 1 < time.monotonic() - started < 29
+
+
+def test_a_client_that_reads_slowly_holds_the_engine_back_not_the_routers_memory(cluster, standin):
+    # the relay writes each event straight to the client's connection (serving/uvicorn_server.py
+    # DirectBody); while the client's buffer is full it stops reading from the engine, so ~50 MB
+    # of events wait in the engine, not in the router
+    s = standin(dp_size=1, default=Behaviour(tokens=12_000, padding=4096))
+    host, port = cluster.url.removeprefix("http://").split(":")
+    body = json.dumps({"model": s.model, "prompt": "slow", "max_tokens": 16, "stream": True})
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)
+        sock.settimeout(30)
+        sock.connect((host, int(port)))
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: %d\r\n\r\n%s"
+                     % (len(body), body.encode()))  # fmt: skip
+        assert wait_for(lambda: len(s.received) == 1, timeout=10)
+        time.sleep(2.0)  # the client reads nothing
+        assert not s.received[0].completed, "the router read the whole answer for a stalled client"
+        data = bytearray()
+        while not data.endswith(b"0\r\n\r\n"):
+            piece = sock.recv(1 << 20)
+            assert piece, "the router closed the stream"
+            data += piece
+    head, _, chunked = bytes(data).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200")
+    events = [e for e in re.findall(rb"data: (.*?)\n\n", chunked)]
+    assert events[-1] == b"[DONE]" and len(events) == 12_000 + 2, len(events)
+    assert s.received[0].completed
+    assert_idle(cluster.url)
 
 
 @pytest.fixture

@@ -38,6 +38,7 @@ from serving.asgi import (
     BodyTooLarge,
     ClientGone,
     declared_length,
+    direct_body,
     read_body,
     send_body,
     until_disconnect,
@@ -57,6 +58,24 @@ PATHS = {
     ),
 }  # fmt: skip
 PRIORITY = re.compile(r"[+-]?[0-9]{1,18}")
+
+
+class Answer:
+    """A request's ASGI ``send``, counting every answer by status for /metrics; ``direct``: the
+    server's writer of a streamed body straight to the connection (serving/asgi.py
+    ``DIRECT_BODY``), or None."""
+
+    __slots__ = ("send", "path", "stats", "span", "direct")
+
+    def __init__(self, send, path: str, stats, span, direct):
+        self.send, self.path, self.stats, self.span, self.direct = send, path, stats, span, direct
+
+    async def __call__(self, message) -> None:
+        if message["type"] == "http.response.start":
+            self.stats.responded(self.path, message["status"])
+            if self.span is not None:
+                self.span.set_attribute("http.response.status_code", message["status"])
+        await self.send(message)
 
 
 class OpenAIEndpoint:
@@ -88,12 +107,7 @@ class OpenAIEndpoint:
         arrived = time.perf_counter()
         path, stats = scope["path"], self.router.stats
 
-        async def send(message, send=send):  # counts every answer by status for /metrics
-            if message["type"] == "http.response.start":
-                stats.responded(path, message["status"])
-                if span is not None:
-                    span.set_attribute("http.response.status_code", message["status"])
-            await send(message)
+        send = Answer(send, path, stats, span, direct_body(scope))
 
         if not api_key_allowed(scope_authorization(scope)):
             auth = [(b"www-authenticate", b"Bearer")]

@@ -332,39 +332,96 @@ async def _relay_stream(
     remember=None,
 ):  # fmt: skip
     """Relay the SSE events as they arrive; a failure mid-stream ends it with an error event.
-    ``remember``: given the first event (a Responses stream's, which names its id)."""
+    ``remember``: given the first event (a Responses stream's, which names its id). Where the
+    server writes straight to the connection (``send.direct``, serving/asgi.py ``DIRECT_BODY``),
+    the events go from the engine's connection to the client's in its callback, with no task
+    switch per event; otherwise through ``send``."""
     await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS + headers})
-    buffer = b""
+    events = SseEvents(dispatch, client_wants_usage, ending, cached_tokens, remember)
+    direct = getattr(send, "direct", None)
     try:
-        async for chunk in response.chunks():
-            buffer += chunk
-            if b"\n\n" not in buffer:
-                continue
-            *events, buffer = buffer.split(b"\n\n")
-            if tracing.TRACER is not None and not dispatch.ticket.prefilled:
-                tracing.current_span().add_event("first_token")
-            dispatch.first_token()  # once: the first event
-            if remember is not None:
-                remember(events[0])
-                remember = None
-            out = []
-            for event in events:
-                found = wire.usage_of(event)
-                if found is not None and cached_tokens is not None:
-                    event = wire.with_cached_tokens(event, cached_tokens)
-                    found = wire.usage_of(event)
-                if found is not None:
-                    ending.usage = found
-                    if not client_wants_usage and wire.is_usage_only(event):
-                        continue
-                out.append(event + b"\n\n")
-            if out:  # the events that came together go out together: one write, not one each
-                await send_chunk(send, b"".join(out))
-        if buffer:
-            await send_chunk(send, buffer)
+        if direct is not None and direct.ready():
+
+            def sink(chunk: bytes) -> bool:
+                out = events.feed(chunk)
+                if out:
+                    direct.write(out)
+                return direct.paused
+
+            await response.pipe(sink, direct.drain)
+        else:
+            async for chunk in response.chunks():
+                out = events.feed(chunk)
+                if out:
+                    await send_chunk(send, out)
+        if events.buffer:
+            await send_chunk(send, events.buffer)
         ending.ok = True
     except http1.UpstreamError as exc:
         key = dispatch.target.key
         error = ProxyError(502, f"upstream {key} failed mid-stream: {exc}", "server_error")
         await send_chunk(send, b"data: " + error.body() + b"\n\ndata: [DONE]\n\n")
     await end_body(send)
+
+
+class SseEvents:
+    """What of an engine's SSE stream goes to the client, piece by piece as it arrives
+    (``feed``): whole events only, those that came together in one piece (one write, not one
+    each); the first event marks the first token; an event with a usage gives the attempt its
+    usage (its cached tokens rewritten where the prefill side's count, ``cached_tokens``), and a
+    usage-only event is dropped when the client did not ask for usage. The common piece (whole
+    events, past the first, no usage in them) goes out as it came, unread."""
+
+    __slots__ = ("dispatch", "wants_usage", "ending", "cached_tokens", "remember", "buffer",
+                 "started", "span")  # fmt: skip
+
+    def __init__(self, dispatch, wants_usage: bool, ending, cached_tokens=None, remember=None):
+        self.dispatch, self.wants_usage, self.ending = dispatch, wants_usage, ending
+        self.cached_tokens, self.remember = cached_tokens, remember
+        self.buffer = b""  # the start of an event not whole yet
+        self.started = False
+        # the attempt's span, taken here: ``feed`` may run in a connection's callback, outside
+        # the request's context
+        self.span = tracing.current_span() if tracing.TRACER is not None else None
+
+    def feed(self, chunk: bytes) -> bytes | None:
+        """What of ``chunk`` (and what was held before it) goes to the client now."""
+        if (
+            self.started
+            and not self.buffer
+            and self.cached_tokens is None
+            and chunk.endswith(b"\n\n")
+            and not _names_a_usage(chunk)
+        ):
+            return chunk
+        buffer = self.buffer + chunk
+        if b"\n\n" not in buffer:
+            self.buffer = buffer
+            return None
+        *events, self.buffer = buffer.split(b"\n\n")
+        if not self.started:
+            self.started = True
+            if self.span is not None and not self.dispatch.ticket.prefilled:
+                self.span.add_event("first_token")
+            self.dispatch.first_token()
+            if self.remember is not None:
+                self.remember(events[0])
+                self.remember = None
+        out = []
+        for event in events:
+            found = wire.usage_of(event)
+            if found is not None and self.cached_tokens is not None:
+                event = wire.with_cached_tokens(event, self.cached_tokens)
+                found = wire.usage_of(event)
+            if found is not None:
+                self.ending.usage = found
+                if not self.wants_usage and wire.is_usage_only(event):
+                    continue
+            out.append(event + b"\n\n")
+        return b"".join(out) if out else None
+
+
+def _names_a_usage(chunk: bytes) -> bool:
+    """Some event in ``chunk`` may carry a usage: a ``"usage"`` key that is not null."""
+    keys = chunk.count(b'"usage"')
+    return keys > 0 and keys != chunk.count(b'"usage":null') + chunk.count(b'"usage": null')
