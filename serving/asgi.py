@@ -55,6 +55,12 @@ async def read_body(
     declared = declared_length(scope) if scope is not None else None
     if declared is not None and declared > limit:
         raise BodyTooLarge(f"the request body ({declared} bytes) is larger than {limit} bytes")
+    direct = direct_body(scope) if scope is not None else None
+    whole = direct.whole_body() if direct is not None else None
+    if whole is not None:  # it has all arrived (the usual case): no timer to set
+        if len(whole) > limit:
+            raise BodyTooLarge(f"the request body is larger than {limit} bytes")
+        return whole
     chunks, size = [], 0
     try:
         async with asyncio.timeout(timeout_s):
@@ -75,13 +81,16 @@ async def read_body(
         ) from None
 
 
-async def until_disconnect(work, receive):
+async def until_disconnect(work, receive, direct=None):
     """Run ``work`` until it ends or the client disconnects; a disconnect cancels it (its own
     cleanup then closes whatever it holds upstream) and returns None. Re-raises what ``work``
     raised. ``work`` runs in the calling task (one task less a request than running it beside
-    the watcher); the watcher cancels that task when the client goes."""
+    the watcher); the watcher cancels that task when the client goes. With ``direct`` (the
+    server's ``DIRECT_BODY``) the server tells of the client leaving itself: no watcher task."""
     current = asyncio.current_task()
     gone = False
+    if direct is not None:
+        return await _until_lost(work, direct, current)
 
     async def watch():
         nonlocal gone
@@ -102,9 +111,38 @@ async def until_disconnect(work, receive):
         watcher.cancel()
 
 
+async def _until_lost(work, direct, current):
+    if direct.disconnected:  # gone already
+        work.close()
+        return None
+    gone = False
+
+    def lost():
+        nonlocal gone
+        gone = True
+        current.cancel()
+
+    direct.on_lost = lost
+    try:
+        return await work
+    except asyncio.CancelledError:
+        if not gone:
+            raise
+        current.uncancel()
+        return None
+    finally:
+        direct.on_lost = None
+
+
 async def send_body(
     send, status: int, body: bytes, content_type: bytes = JSON, headers: list | None = None
 ):
+    """A whole answer: in one write where ``send`` offers ``respond(status, content_type,
+    headers, body)`` (the router's, over serving/uvicorn_server.py ``DirectBody``), else as two
+    ASGI messages."""
+    respond = getattr(send, "respond", None)
+    if respond is not None and respond(status, content_type, headers or [], body):
+        return
     all_headers = [
         (b"content-type", content_type),
         (b"content-length", str(len(body)).encode()),

@@ -12,10 +12,12 @@ process's drain, serving/drain.py, owns SIGTERM and SIGINT, as it does under dap
   is shorter than common clients' pools keep them and made them race its close.
 - The body's own deadline is the application's (serving.asgi ``read_body``): uvicorn hands it
   the body as it arrives.
-- A streamed answer's body can be written straight to the connection (``DirectBody``, in the
-  scope's extensions under serving.asgi ``DIRECT_BODY``): the router's relay writes each event
-  from its upstream connection's callback, where ``send`` would cost a task switch, a message
-  dict and five awaits per event.
+- The request's connection, directly (``DirectBody``, in the scope's extensions under
+  serving.asgi ``DIRECT_BODY``), for the router's hot path: a body that has all arrived taken
+  without a timer; a whole answer written in one write (head and body), not two; a streamed
+  answer's events written from the upstream connection's callback, where ``send`` would cost a
+  task switch, a message dict and five awaits per event; a client leaving told by a callback, not
+  a task per request waiting for it.
 - ``Server.stop`` ends what still runs (a drain that ran out of time) before uvicorn's own
   shutdown: each request's task is cancelled and its answer ended cleanly (a stream stops where
   it was, without ``[DONE]``; one that had not started is a 503), where uvicorn would wait, then
@@ -28,7 +30,12 @@ import asyncio
 import contextlib
 
 import uvicorn
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import (
+    HEADER_RE,
+    HEADER_VALUE_RE,
+    STATUS_LINE,
+    HttpToolsProtocol,
+)
 
 from serving.asgi import DIRECT_BODY, send_json
 from serving.openai_fields import APIError
@@ -46,6 +53,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     header_timer: asyncio.TimerHandle | None = None
     header_timeout_s: float = HEADER_TIMEOUT_S
+    directs: list[DirectBody] | None = None  # of the requests on this connection not answered
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -61,11 +69,19 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().on_headers_complete()
         cycle = self.cycle
         if cycle is not None and cycle.scope is self.scope:
-            self.scope.setdefault("extensions", {})[DIRECT_BODY] = DirectBody(cycle)
+            direct = DirectBody(cycle)
+            self.scope.setdefault("extensions", {})[DIRECT_BODY] = direct
+            live = [d for d in self.directs or () if not d.cycle.response_complete]
+            live.append(direct)
+            self.directs = live
 
     def connection_lost(self, exc) -> None:
         self._disarm()
         super().connection_lost(exc)
+        for direct in self.directs or ():
+            if direct.cycle.disconnected and direct.on_lost is not None:
+                direct.on_lost()
+        self.directs = None
 
     def _arm(self) -> None:
         self.header_timer = self.loop.call_later(self.header_timeout_s, self._headers_late)
@@ -82,16 +98,60 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
 
 class DirectBody:
-    """Writes a chunked answer's body straight to the client's connection, as uvicorn's ``send``
-    would (the same framing, the same checks), for a caller that is not in the request's task."""
+    """One request's connection, for a caller that wants less than ASGI's round trips: the same
+    framing and state changes uvicorn's ``send`` and ``receive`` make, done in place."""
 
-    __slots__ = ("cycle",)
+    __slots__ = ("cycle", "on_lost")
 
     def __init__(self, cycle):
         self.cycle = cycle
+        self.on_lost = None  # called when the client leaves before its answer is whole
+
+    @property
+    def disconnected(self) -> bool:
+        return self.cycle.disconnected
+
+    def whole_body(self) -> bytes | None:
+        """The request's body when all of it has arrived (else None: read it with ``receive``)."""
+        cycle = self.cycle
+        if cycle.more_body or cycle.disconnected or cycle.response_complete:
+            return None
+        body = bytes(cycle.body)
+        cycle.body = bytearray()
+        cycle.message_event.clear()
+        cycle.flow.resume_reading()
+        return body
+
+    def respond(self, status: int, content_type: bytes, headers: list, body: bytes) -> bool:
+        """Write a whole answer (head and body) in one write; False when it cannot be done here
+        (the answer has started, the client left, a header it does not pass), for ``send``."""
+        cycle = self.cycle
+        if cycle.response_started or cycle.disconnected or cycle.scope["method"] == "HEAD":
+            return False
+        content = [STATUS_LINE[status]]
+        for name, value in (*cycle.default_headers, (b"content-type", content_type), *headers):
+            if HEADER_RE.search(name) or HEADER_VALUE_RE.search(value):
+                return False
+            if name.lower() in _FRAMING:
+                return False
+            content += (name, b": ", value, b"\r\n")
+        if not cycle.keep_alive:
+            content.append(b"connection: close\r\n")
+        content += (b"content-length: %d\r\n\r\n" % len(body), body)
+        cycle.response_started = True
+        cycle.waiting_for_100_continue = False
+        cycle.chunked_encoding = False
+        cycle.expected_content_length = 0
+        cycle.transport.write(b"".join(content))
+        cycle.response_complete = True
+        cycle.message_event.set()
+        if not cycle.keep_alive:
+            cycle.transport.close()
+        cycle.on_response()
+        return True
 
     def ready(self) -> bool:
-        """The answer has started, chunked, and has not ended."""
+        """A streamed answer has started, chunked, and has not ended."""
         cycle = self.cycle
         return bool(
             cycle.response_started
@@ -101,6 +161,7 @@ class DirectBody:
         )
 
     def write(self, data: bytes) -> None:
+        """One chunk of a streamed answer."""
         cycle = self.cycle
         if data and not cycle.disconnected and not cycle.response_complete:
             cycle.transport.write(b"%x\r\n%b\r\n" % (len(data), data))
@@ -114,6 +175,10 @@ class DirectBody:
         cycle = self.cycle
         if cycle.flow.write_paused and not cycle.disconnected:
             await cycle.flow.drain()
+
+
+# headers ``respond`` leaves to uvicorn (it writes the length itself)
+_FRAMING = frozenset((b"content-length", b"transfer-encoding", b"connection"))
 
 
 class Server(uvicorn.Server):
@@ -161,9 +226,10 @@ class Cut:
         except asyncio.CancelledError:
             if not self.cutting:
                 raise
-        if ended:
+        direct = (scope.get("extensions") or {}).get(DIRECT_BODY)  # answers without ``send``
+        if ended or (direct is not None and direct.cycle.response_complete):
             return None
-        if started:
+        if started or (direct is not None and direct.cycle.response_started):
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         else:
             await send_json(send, 503, APIError(503, "the server is stopping").body())

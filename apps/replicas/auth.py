@@ -35,10 +35,19 @@ INVALID_API_KEY_BODY = error_bytes(401, *INVALID_API_KEY)
 
 
 def configured_keys(name: str) -> list[str]:
-    """The keys of ``settings.CONTROL_PLANE[name]``: comma-separated, stripped, empties dropped."""
+    """The keys of ``settings.CONTROL_PLANE[name]``: comma-separated, stripped, empties dropped
+    (read on every request: parsed again only when the setting changed)."""
     raw = settings.CONTROL_PLANE.get(name) or ""
+    known = _parsed.get(name)
+    if known is not None and known[0] is raw:
+        return known[1]
     items = raw if isinstance(raw, (list, tuple)) else str(raw).split(",")
-    return [k.strip() for k in items if k and k.strip()]
+    keys = [k.strip() for k in items if k and k.strip()]
+    _parsed[name] = (raw, keys)
+    return keys
+
+
+_parsed: dict[str, tuple[object, list[str]]] = {}  # name -> (the setting's value, its keys)
 
 
 def bearer_token(authorization: str | bytes | None) -> bytes | None:

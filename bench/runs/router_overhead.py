@@ -163,7 +163,7 @@ def measure(
                     str(args.duration),
                     "--rate",
                     "200",
-                    "--nonblocking",
+                    *(["--native"] if args.profile_native else ["--nonblocking"]),
                     "--format",
                     "raw" if raw else "flamegraph",
                     "--output",
@@ -356,6 +356,11 @@ def main(argv: list[str] | None = None) -> int:
         choices=["flamegraph", "raw"],
         default="flamegraph",
         help="py-spy's output: an SVG, or collapsed stacks (one line per stack, with its count)",
+    )
+    parser.add_argument(
+        "--profile-native",
+        action="store_true",
+        help="py-spy --native: C frames too (uvloop's, httptools'), the process paused per sample",
     )
     args = parser.parse_args(argv)
     if not shutil.which("wrk"):

@@ -98,7 +98,7 @@ def test_anonymous_and_wrong_key_mutations_are_401(client, router, admin_keys, i
     assert_refused(send(client, method, path, body), 401)
     assert_refused(send(client, method, path, body, Authorization="Bearer not-a-key"), 401)
     assert_refused(send(client, method, path, body, Authorization="admin-one"), 401)  # no scheme
-    assert Worker.objects.count() == 0 and router.fleet.all_targets() == []
+    assert Worker.objects.count() == 0 and not router.fleet.all_targets()
 
 
 @pytest.mark.django_db

@@ -151,7 +151,7 @@ async def test_get_and_delete_workers(engine, router, client):
 
     r = await client.delete(f"/workers/{worker_id}")
     assert r.status_code == 200 and r.json() == {"deleted": worker_id}
-    assert router.fleet.all_targets() == [] and router.fleet.workers == {}
+    assert not router.fleet.all_targets() and router.fleet.workers == {}
     assert router.index.ranks == {} and router.index.owners == {} and router.index.capacity == {}
     assert await Worker.objects.acount() == 0 and await Rank.objects.acount() == 0
     assert (await client.delete(f"/workers/{worker_id}")).status_code == 404

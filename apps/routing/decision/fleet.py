@@ -119,6 +119,7 @@ class Fleet:
         # True once the process drains before it stops (apps/routing/proxy/drain.py): /health
         # answers 503 "draining", so load balancers stop sending here
         self.draining = False
+        self._all: tuple[Target, ...] | None = None  # all_targets, until the next put or remove
 
     def put(self, view: WorkerView, rank_ids: dict[int | None, int] | None = None) -> list[Target]:
         """Add or replace a worker. Targets that survive keep their load, breaker and position."""
@@ -132,14 +133,20 @@ class Fleet:
             targets.append(target)
         self.workers[view.worker_id] = view
         self.targets[view.worker_id] = targets
+        self._all = None
         return targets
 
     def remove(self, worker_id: int) -> None:
         self.workers.pop(worker_id, None)
         self.targets.pop(worker_id, None)
+        self._all = None
 
-    def all_targets(self) -> list[Target]:
-        return [t for targets in self.targets.values() for t in targets]
+    def all_targets(self) -> tuple[Target, ...]:
+        """Every target, in the order workers were put (read several times per request: kept
+        until the fleet changes)."""
+        if self._all is None:
+            self._all = tuple(t for targets in self.targets.values() for t in targets)
+        return self._all
 
     def candidates(self, model: str | None, role: str | None = None) -> list[Target]:
         """Available targets serving ``model`` (any model when None or when only one is served);

@@ -72,10 +72,21 @@ class Answer:
 
     async def __call__(self, message) -> None:
         if message["type"] == "http.response.start":
-            self.stats.responded(self.path, message["status"])
-            if self.span is not None:
-                self.span.set_attribute("http.response.status_code", message["status"])
+            self._counted(message["status"])
         await self.send(message)
+
+    def respond(self, status: int, content_type: bytes, headers: list, body: bytes) -> bool:
+        """A whole answer in one write, where the server allows (serving/asgi.py
+        ``send_body``)."""
+        if self.direct is None or not self.direct.respond(status, content_type, headers, body):
+            return False
+        self._counted(status)
+        return True
+
+    def _counted(self, status: int) -> None:
+        self.stats.responded(self.path, status)
+        if self.span is not None:
+            self.span.set_attribute("http.response.status_code", status)
 
 
 class OpenAIEndpoint:
@@ -176,7 +187,7 @@ class OpenAIEndpoint:
         # cancels it
         session = session_of(body, scope.get("headers"))
         serve = self._serve(body, path, send, pin, priority, session, arrived, tenant)
-        await until_disconnect(serve, receive)
+        await until_disconnect(serve, receive, getattr(send, "direct", None))
         return size
 
     async def _serve(
