@@ -165,11 +165,14 @@ async def send_chunk(send, data: bytes):
     await send({"type": "http.response.body", "body": data, "more_body": True})
 
 
-# A server that can write a streamed answer's body straight to the client's connection puts an
-# object here in the request's ``scope["extensions"]`` (serving/uvicorn_server.py ``DirectBody``):
-# ``ready()`` (the answer has started, chunked), ``write(data)`` (one chunk, no task switch),
-# ``paused`` (the client's buffer is full) and ``await drain()``. The answer still starts and ends
-# through ``send``.
+# A server that lets the application use the request's connection directly puts an object here
+# in the request's ``scope["extensions"]`` (serving/uvicorn_server.py ``DirectBody``):
+# ``whole_body()`` (the body, when all of it has arrived), ``respond(status, content_type,
+# headers, body)`` (a whole answer in one write), for a streamed answer ``ready()`` (it has
+# started, chunked), ``write(data)`` (one chunk, callable outside the request's task),
+# ``paused`` (the client's buffer is full) and ``await drain()``, and ``on_lost`` (called when
+# the client leaves before the answer is whole) with ``disconnected``. Where it is absent
+# (daphne), the same goes through ``receive`` and ``send``.
 DIRECT_BODY = "dpmesh.direct_body"
 
 

@@ -592,6 +592,40 @@ def test_a_client_that_reads_slowly_holds_the_engine_back_not_the_routers_memory
     assert_idle(cluster.url)
 
 
+def test_an_answer_written_whole_keeps_http_framing(cluster, standin):
+    # a non-streamed answer goes out in one write (serving/uvicorn_server.py DirectBody.respond):
+    # an HTTP/1.0 client or one that says ``Connection: close`` gets that header and the close,
+    # a keep-alive client its connection back for the next request
+    s = standin(dp_size=1)
+    host, port = cluster.url.removeprefix("http://").split(":")
+    body = json.dumps({"model": s.model, "prompt": "hi", "max_tokens": 2}).encode()
+
+    def ask(sock, version: bytes, extra: bytes = b"") -> bytes:
+        sock.sendall(b"POST /v1/completions HTTP/%s\r\nHost: x\r\nContent-Type: application/json"
+                     b"\r\n%sContent-Length: %d\r\n\r\n%s" % (version, extra, len(body), body))  # fmt: skip
+        data = b""
+        while b"\r\n\r\n" not in data or len(data.split(b"\r\n\r\n", 1)[1]) < int(
+            re.search(rb"content-length: (\d+)", data).group(1)
+        ):
+            piece = sock.recv(65536)
+            assert piece, data
+            data += piece
+        return data
+
+    for version, extra in ((b"1.0", b""), (b"1.1", b"Connection: close\r\n")):
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            head, _, answer = ask(sock, version, extra).partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 200") and b"\r\nconnection: close" in head
+            assert json.loads(answer)["choices"]
+            assert sock.recv(1) == b"", "closed after the answer"
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        for _ in range(2):  # kept alive: the same connection serves the next request
+            head, _, answer = ask(sock, b"1.1").partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 200") and b"connection: close" not in head
+            assert json.loads(answer)["choices"]
+    assert_idle(cluster.url)
+
+
 @pytest.fixture
 def oai(cluster):
     with openai.OpenAI(

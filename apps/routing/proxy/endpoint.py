@@ -62,8 +62,8 @@ PRIORITY = re.compile(r"[+-]?[0-9]{1,18}")
 
 class Answer:
     """A request's ASGI ``send``, counting every answer by status for /metrics; ``direct``: the
-    server's writer of a streamed body straight to the connection (serving/asgi.py
-    ``DIRECT_BODY``), or None."""
+    server's direct use of the request's connection (serving/asgi.py ``DIRECT_BODY``), or None
+    (daphne)."""
 
     __slots__ = ("send", "path", "stats", "span", "direct")
 
@@ -187,7 +187,7 @@ class OpenAIEndpoint:
         # cancels it
         session = session_of(body, scope.get("headers"))
         serve = self._serve(body, path, send, pin, priority, session, arrived, tenant)
-        await until_disconnect(serve, receive, getattr(send, "direct", None))
+        await until_disconnect(serve, receive, send.direct)
         return size
 
     async def _serve(
