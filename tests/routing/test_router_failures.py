@@ -601,8 +601,8 @@ def test_an_answer_written_whole_keeps_http_framing(cluster, standin):
     body = json.dumps({"model": s.model, "prompt": "hi", "max_tokens": 2}).encode()
 
     def ask(sock, version: bytes, extra: bytes = b"") -> bytes:
-        sock.sendall(b"POST /v1/completions HTTP/%s\r\nHost: x\r\nContent-Type: application/json"
-                     b"\r\n%sContent-Length: %d\r\n\r\n%s" % (version, extra, len(body), body))  # fmt: skip
+        head = b"POST /v1/completions HTTP/%s\r\nHost: x\r\nContent-Type: application/json\r\n"
+        sock.sendall(head % version + extra + b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
         data = b""
         while b"\r\n\r\n" not in data or len(data.split(b"\r\n\r\n", 1)[1]) < int(
             re.search(rb"content-length: (\d+)", data).group(1)
