@@ -234,6 +234,13 @@ class Response:
         self._headers: dict[str, str] | None = None
         self._conn, self._pool, self._key, self._timeout_s = conn, pool, key, timeout_s
 
+    def header(self, name: bytes) -> str | None:
+        """The first value of header ``name`` (lower-case), without building ``headers``."""
+        for raw, value in self._raw:
+            if raw.lower() == name:
+                return value.decode("latin-1")
+        return None
+
     @property
     def headers(self) -> dict[str, str]:
         if self._headers is None:

@@ -282,7 +282,7 @@ async def _attempt(
             return ProxyError(response.status, message, "server_error", raw=raw or None)
         headers = wire.route_headers(dispatch, response, overhead_s) + (extra or [])
         router.stats.overhead.observe(overhead_s)
-        content_type = response.headers.get("content-type", "application/json")
+        content_type = response.header(b"content-type") or "application/json"
         if response.status == 200 and stream and content_type.startswith("text/event-stream"):
             remember = (
                 (lambda first: _remember_response(router, dispatch, first))

@@ -106,7 +106,7 @@ def route_headers(dispatch: Dispatch, response, overhead_s: float | None = None)
         headers.append((OVERHEAD_HEADER, b"%.3f" % (overhead_s * 1000)))
     rank = dispatch.target.rank
     if rank is None:
-        rank = response.headers.get("x-data-parallel-rank")
+        rank = response.header(b"x-data-parallel-rank")
     if rank is not None:
         headers.append((b"x-data-parallel-rank", str(rank).encode()))
     return headers
