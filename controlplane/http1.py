@@ -155,16 +155,13 @@ class _Connection(asyncio.Protocol):
                 self.sink_error = exc
                 self.close()
                 return
-            if full and not self.paused and not self.closed:
-                self.paused = True
-                self.transport.pause_reading()
+            if full and self._pause():
                 self._wake()
             return
         self.body.append(body)
         self.buffered += len(body)
-        if self.buffered > HIGH_WATER and not self.paused and not self.closed:
-            self.paused = True
-            self.transport.pause_reading()
+        if self.buffered > HIGH_WATER:
+            self._pause()
 
     def on_message_complete(self) -> None:
         self.complete = True
@@ -175,10 +172,22 @@ class _Connection(asyncio.Protocol):
         data = self.body[0] if len(self.body) == 1 else b"".join(self.body)
         self.body.clear()
         self.buffered = 0
-        if self.paused and not self.closed:
-            self.paused = False
-            self.transport.resume_reading()
+        self._resume()
         return data
+
+    def _pause(self) -> bool:
+        """Stop reading from the engine (the reader is full); True when this paused it."""
+        if self.paused or self.closed:
+            return False
+        self.paused = True
+        self.transport.pause_reading()
+        return True
+
+    def _resume(self) -> None:
+        if self.paused:
+            self.paused = False
+            if not self.closed:
+                self.transport.resume_reading()
 
     async def wait(self, timeout_s: float | None) -> None:
         """Until something more arrives (or the connection ends), at most ``timeout_s``."""
@@ -283,9 +292,8 @@ class Response:
         conn.sink = sink
         timeout_s = self._timeout_s
         try:
-            if conn.body and sink(conn.take()) and not conn.closed:  # what came with the head
-                conn.paused = True
-                conn.transport.pause_reading()
+            if conn.body and sink(conn.take()):  # what came with the head
+                conn._pause()
             while not conn.complete:
                 if conn.sink_error is not None:
                     raise conn.sink_error
@@ -293,9 +301,7 @@ class Response:
                     raise conn.error
                 if conn.paused:
                     await drain()
-                    conn.paused = False
-                    if not conn.closed:
-                        conn.transport.resume_reading()
+                    conn._resume()
                     continue
                 try:
                     await conn.wait(timeout_s)

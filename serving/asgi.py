@@ -88,9 +88,9 @@ async def until_disconnect(work, receive, direct=None):
     the watcher); the watcher cancels that task when the client goes. With ``direct`` (the
     server's ``DIRECT_BODY``) the server tells of the client leaving itself: no watcher task."""
     current = asyncio.current_task()
-    gone = False
     if direct is not None:
         return await _until_lost(work, direct, current)
+    gone = False
 
     async def watch():
         nonlocal gone
@@ -177,7 +177,7 @@ DIRECT_BODY = "dpmesh.direct_body"
 
 
 def direct_body(scope):
-    """The server's direct writer of the answer's body (``DIRECT_BODY``), or None."""
+    """The server's direct use of the request's connection (``DIRECT_BODY``), or None."""
     extensions = scope.get("extensions")
     return extensions.get(DIRECT_BODY) if extensions else None
 

@@ -37,7 +37,7 @@ from uvicorn.protocols.http.httptools_impl import (
     HttpToolsProtocol,
 )
 
-from serving.asgi import DIRECT_BODY, send_json
+from serving.asgi import DIRECT_BODY, direct_body, send_json
 from serving.openai_fields import APIError
 
 HEADER_TIMEOUT_S = 20.0
@@ -226,7 +226,7 @@ class Cut:
         except asyncio.CancelledError:
             if not self.cutting:
                 raise
-        direct = (scope.get("extensions") or {}).get(DIRECT_BODY)  # answers without ``send``
+        direct = direct_body(scope)  # it answers without ``send``
         if ended or (direct is not None and direct.cycle.response_complete):
             return None
         if started or (direct is not None and direct.cycle.response_started):
