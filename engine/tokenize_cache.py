@@ -35,6 +35,8 @@ from itertools import pairwise
 import xxhash
 from tokenizers import Tokenizer as Backend
 
+from engine.tokenizer import encode_batch_fast
+
 logger = logging.getLogger(__name__)
 
 # A cut: a space after a non-space character and before a letter.
@@ -132,7 +134,7 @@ class PrefixTokenCache:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _encode_batch(self, chunks: list[str]) -> list[list[int]]:
-        return [e.ids for e in self.backend.encode_batch(chunks, add_special_tokens=False)]
+        return encode_batch_fast(self.backend, chunks, add_special_tokens=False)
 
     def _encode_chunks(self, text: str, cuts: list[int]) -> list[int]:
         chunks = [text[a:b] for a, b in pairwise(cuts)]

@@ -54,7 +54,17 @@ _NO_MAX_LENGTH = int(1e30)  # transformers' VERY_LARGE_INTEGER: "no limit config
 # GIL (its single-text call holds it throughout: measured, a thread encoding 15 k tokens froze the
 # event loop's thread for 20 ms a call; through the batch call, under 5 ms in total), so a router
 # or an engine front tokenizing a long prompt in a worker thread does not stall its event loop.
+# The "fast" batch call (no offsets) gives the same ids in 0.8x the time (1,160-character prompts:
+# 168 against 211 us). Shorter texts keep the single call, which holds the GIL: released for a
+# moment, the GIL can go to a background thread and the loop waits a switch interval for it back.
 GIL_FREE_CHARS = 2048
+
+
+def encode_batch_fast(backend, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+    """Each text's ids through the library's batch call without offsets (``encode_batch_fast``,
+    tokenizers >= 0.21; the plain batch call before), which releases the GIL while it works."""
+    call = getattr(backend, "encode_batch_fast", backend.encode_batch)
+    return [e.ids for e in call(texts, add_special_tokens=add_special_tokens)]
 
 
 class Tokenizer:
@@ -133,7 +143,7 @@ class Tokenizer:
         """Token ids of ``text``; ``add_special_tokens`` applies the post-processor (a BOS, ...)
         as transformers does, and defaults to True as there."""
         if len(text) >= GIL_FREE_CHARS:  # the batch call releases the GIL while it works
-            return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+            return encode_batch_fast(self.backend, [text], add_special_tokens)[0]
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
