@@ -112,8 +112,8 @@ def run_workload(spec, args, tok, server, base: str, concurrency: int, round_: i
     r["total_s"] = duration_s
     print(f"round {round_} c={concurrency} {spec:<24} ok {r['ok']} hit {r['hit_rate']:.3f} "
           f"vs-allowed {r['hits_vs_oracle']:.3f} max/mean {r['prompt_max_mean']:.2f} "
-          f"TTFT p50 {r['ttft_p50_ms']:.0f} mean {r['ttft_mean_ms']:.0f} "
-          f"p99 {r['ttft_p99_ms']:.0f} ms total {duration_s:.1f} s", flush=True)  # fmt: skip
+          f"TTFT p50 {r['ttft_p50_ms']:.1f} mean {r['ttft_mean_ms']:.1f} "
+          f"p99 {r['ttft_p99_ms']:.0f} ms total {duration_s:.2f} s", flush=True)  # fmt: skip
     if spec.startswith("dpmesh"):  # what our router's time model learnt so far
         workers = httpx.get(base + "/workers", timeout=10).json()["workers"]
         r["timing"] = [w.get("timing") for w in workers]
@@ -155,8 +155,8 @@ def main(argv=None) -> int:
           "|---:|---:|---|---:|---:|---:|---:|---:|---:|")  # fmt: skip
     for r in rows:
         print(f"| {r['round']} | {r['concurrency']} | {r['router']} | {r['hits_vs_oracle']:.3f} | "
-              f"{r['prompt_max_mean']:.2f} | {r['ttft_p50_ms']:.0f} | {r['ttft_mean_ms']:.0f} | "
-              f"{r['ttft_p99_ms']:.0f} | {r['total_s']:.1f} |")  # fmt: skip
+              f"{r['prompt_max_mean']:.2f} | {r['ttft_p50_ms']:.1f} | {r['ttft_mean_ms']:.1f} | "
+              f"{r['ttft_p99_ms']:.0f} | {r['total_s']:.2f} |")  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0
