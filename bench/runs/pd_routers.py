@@ -134,8 +134,8 @@ def row(rnd, conc, name, run, pdiff, pulled: float, samples, tok) -> str:
     ttft = distribution_ms(r.ttft for r in ok)
     return (
         f"| {rnd + 1} | {conc} | {name} | {p_cached / max(1, oracle):.3f} | "
-        f"{pulled / 2**20:.1f} MiB | {ttft['mean']:.0f} ms | {ttft['median']:.0f} ms "
-        f"| {ttft['p99']:.0f} ms | {run.duration_s:.1f} s | {len(run.results) - len(ok)} |"
+        f"{pulled / 2**20:.1f} MiB | {ttft['mean']:.1f} ms | {ttft['median']:.1f} ms "
+        f"| {ttft['p99']:.0f} ms | {run.duration_s:.2f} s | {len(run.results) - len(ok)} |"
     )
 
 
