@@ -38,13 +38,9 @@ class ServerProcess:
     url: str
     log_path: Path
     stop_signal: int = signal.SIGINT  # SIGTERM for one started from a shell's background job
-    own_group: bool = True  # started in a process group of its own (and maybe a session)
 
     def _kill_all(self) -> None:
-        if self.own_group:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # its rank processes too
-        else:
-            self.proc.kill()
+        os.killpg(self.proc.pid, signal.SIGKILL)  # its process group: its rank processes too
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -118,7 +114,7 @@ def start(
     kernel's autogroups (``/proc/sys/kernel/sched_autogroup_enabled``) is also a CPU share of its
     own, as for a process started from a terminal of its own; else in the caller's session and
     CPU share, as processes of one service. What that changes behind vLLM-CPU: docs/benchmarks-
-    history.md "Behind vLLM-CPU: the kernel's CPU groups, not the router"."""
+    history.md "Behind vLLM-CPU: vLLM and the router in one CPU share"."""
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             cmd,

