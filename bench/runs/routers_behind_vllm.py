@@ -10,6 +10,11 @@ turn N times (interleaved), each round with prefixes of its own; reported per ro
 the block-rule oracle, balance, TTFT p50 / mean / p99 and the run's total time.
 
     .venv/bin/python -m bench.runs.routers_behind_vllm [--vllm-router PATH] [--json out.json]
+        [--sessions shared|own]
+
+vLLM and the router run in this command's session by default (one CPU share under the kernel's
+autogroups); ``--sessions own`` starts each in a session of its own, as from separate terminals,
+where the kernel's scheduling, not the routers, decides the times (docs/benchmarks.md).
 
 Needs the vLLM venv (scripts/vllm-cpu-venv.sh) and, for the vllm-router rows, ``vllm-router``
 (``pip install vllm-router==0.1.17`` in a venv of its own; its path with ``--vllm-router``).
