@@ -61,10 +61,9 @@ GIL_FREE_CHARS = 2048
 
 
 def encode_batch_fast(backend, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
-    """Each text's ids through the library's batch call without offsets (``encode_batch_fast``,
-    tokenizers >= 0.21; the plain batch call before), which releases the GIL while it works."""
-    call = getattr(backend, "encode_batch_fast", backend.encode_batch)
-    return [e.ids for e in call(texts, add_special_tokens=add_special_tokens)]
+    """Each text's ids through the library's batch call without offsets, which releases the GIL
+    while it works (requirements.txt pins a tokenizers that has it)."""
+    return [e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=add_special_tokens)]
 
 
 class Tokenizer:
