@@ -79,8 +79,9 @@ def add_pd_arguments(parser: argparse.ArgumentParser) -> None:
         "--pd-protocol",
         choices=["auto", "vllm", "sglang"],
         default=None,
-        help="the handshake between the legs (auto: SGLang's bootstrap for SGLang workers, "
-        "vLLM's kv_transfer_params for vLLM, ATOM and ours)",
+        help="the handshake between the legs (auto: SGLang's bootstrap, both legs at once, for "
+        "SGLang and for ours in both roles; vLLM's kv_transfer_params for vLLM, ATOM and mixed "
+        "fleets)",
     )
 
 

@@ -1,5 +1,7 @@
 """Routers in front of one prefill/decode-disaggregated fleet of our engine, in one run: ours
-(``runrouter --pd-disaggregation``, vLLM's protocol and SGLang's), sglang-router 0.3.2
+(``runrouter --pd-disaggregation``: ``dpmesh`` as a user runs it, ``--pd-protocol auto``, which is
+SGLang's one step for our engine in both roles; ``dpmesh-vllm`` with vLLM's two steps;
+``dpmesh-sglang`` names the one step explicitly), sglang-router 0.3.2
 (``--pd-disaggregation``) and vllm-router 0.1.17 (``--vllm-pd-disaggregation --kv-connector
 nixl``), all cache_aware.
 
@@ -31,13 +33,14 @@ from bench.runs.routers_on_our_engine import tokenizer
 from bench.summary import distribution_ms
 from harness.procs import free_port, metrics, router_command, start, start_engine
 
-TARGETS = ("dpmesh", "dpmesh-sglang", "sglang-router", "vllm-router")
+TARGETS = ("dpmesh", "dpmesh-vllm", "dpmesh-sglang", "sglang-router", "vllm-router")
+DEFAULT_TARGETS = ("dpmesh", "dpmesh-vllm", "sglang-router", "vllm-router")
 
 
 def target_cmd(name: str, prefill, decode, port: int, bootstrap: int) -> list[str]:
     exe = lambda n: shutil.which(n, path=str(Path(sys.executable).parent))  # noqa: E731
     if name.startswith("dpmesh"):
-        protocol = "sglang" if name == "dpmesh-sglang" else "vllm"
+        protocol = {"dpmesh": "auto", "dpmesh-vllm": "vllm", "dpmesh-sglang": "sglang"}[name]
         return router_command([], "--pd-disaggregation", "--prefill", prefill.url, "--decode",
                               decode.url, "--pd-protocol", protocol, port=port,
                               policy="cache_aware")  # fmt: skip
@@ -80,7 +83,8 @@ def _pulled(url: str) -> float:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--targets", nargs="+", default=list(TARGETS), choices=TARGETS)
+    parser.add_argument("--targets", nargs="+", default=list(DEFAULT_TARGETS),
+                        choices=TARGETS)  # fmt: skip
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--dp-size", type=int, default=2)

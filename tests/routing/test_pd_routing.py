@@ -1,6 +1,7 @@
 """Prefill/decode routing (apps/routing/proxy/pd.py) over real processes: our engine in both
-roles (DP 2 each) behind ``runrouter --pd-disaggregation``, with vLLM's two-step protocol (the
-default for our engine) and SGLang's bootstrap protocol (``--pd-protocol sglang``)."""
+roles (DP 2 each) behind ``runrouter --pd-disaggregation``, with vLLM's two-step protocol
+(``--pd-protocol vllm``) and SGLang's bootstrap protocol (``--pd-protocol sglang``, and what
+``auto`` picks when both roles are our engine)."""
 
 from __future__ import annotations
 
@@ -148,14 +149,18 @@ def test_no_worker_of_a_role_is_a_503_not_a_hang(pd, tmp_path):
         assert wait_for(lambda: _held(prefill.url) == 0, timeout=10)
 
 
-def test_a_prefill_worker_killed_under_load_loses_no_request(pd, tmp_path):
+@pytest.mark.parametrize("protocol", ["auto", "vllm"])
+def test_a_prefill_worker_killed_under_load_loses_no_request(pd, tmp_path, protocol):
     """Two prefill workers, one SIGKILLed while requests flow: those sent to it go to the other
-    (vLLM's protocol retries a leg whose worker refuses), none hangs, nothing stays held."""
+    (in one step, the default here, with the decode leg again and a new room; in two, the
+    prefill leg alone), none hangs, nothing stays held."""
     prefill, decode, _ = pd
     with start_engine(tmp_path, "--dp-size", "1", "--num-kv-blocks", "64",
-                      "--disaggregation-mode", "prefill", name="doomed") as doomed:  # fmt: skip
+                      "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", "0",
+                      name="doomed") as doomed:  # fmt: skip
         flags = ("--pd-disaggregation", "--prefill", prefill.url, "--prefill", doomed.url,
-                 "--decode", decode.url, "--policy", "round_robin")  # fmt: skip
+                 "--decode", decode.url, "--policy", "round_robin",
+                 "--pd-protocol", protocol)  # fmt: skip
         with start_router(tmp_path, [], "two-prefills", *flags) as router:
             assert wait_for(lambda: _targets(router.url) == 2 * DP + 1, timeout=60)
             for i in range(3):
@@ -166,9 +171,38 @@ def test_a_prefill_worker_killed_under_load_loses_no_request(pd, tmp_path):
                 r = post(router.url, body_for(False, prompt_text(6000 + i)), False)
                 assert r.status_code == 200, r.text
                 assert r.headers["x-prefill-target"].startswith(prefill.url)
-            assert "another prefill worker" in router.log()  # the retry ran, not only the health
+            log = router.log()  # the retry ran, not only the health check
+            assert "another prefill worker" in log
+            assert ("both legs again" in log) == (protocol == "auto"), log
     assert wait_for(lambda: _held(prefill.url) == 0, timeout=10)
     assert wait_for(lambda: _held(decode.url) == 0, timeout=10)
+
+
+def test_a_decode_worker_gone_before_its_leg_goes_to_another_with_the_same_room(pd, tmp_path):
+    """One step (``auto`` for our engine in both roles): a decode worker killed between requests,
+    its death not yet noticed. The decode leg sent to it goes to the other decode worker, which
+    pulls the same room's KV from the prefill; the prefill ran once for each request."""
+    prefill, decode, _ = pd
+    role = ("--disaggregation-mode", "decode")
+    with start_engine(tmp_path, "--dp-size", "1", *role, name="gone-decode") as doomed:
+        flags = ("--pd-disaggregation", "--prefill", prefill.url, "--decode", decode.url,
+                 "--decode", doomed.url, "--decode-policy", "round_robin")  # fmt: skip
+        with start_router(tmp_path, [], "gone-decode", *flags) as router:
+            assert wait_for(lambda: _targets(router.url) == 2 * DP + 1, timeout=60)
+            for i in range(2):  # round robin: one decode leg on each worker
+                r = post(router.url, body_for(False, prompt_text(7500 + i)), False)
+                assert r.status_code == 200, r.text
+            doomed.kill()
+            before = sum(metrics(prefill.url).get(("requests", r), 0) for r in range(DP))
+            for i in range(4):
+                r = post(router.url, body_for(i % 2 == 1, prompt_text(7600 + i)), i % 2 == 1)
+                assert r.status_code == 200, r.text
+                assert r.headers["x-routed-target"].startswith(decode.url)
+            after = sum(metrics(prefill.url).get(("requests", r), 0) for r in range(DP))
+            assert after - before == 4  # no prefill ran twice
+            assert "another decode worker, the same room" in router.log()
+            assert_idle(router.url, timeout=10)
+    assert wait_for(lambda: _held(prefill.url) == 0, timeout=10)
 
 
 def test_a_decode_worker_killed_mid_workload_hangs_nothing_and_leaks_nothing(pd, tmp_path):

@@ -144,3 +144,23 @@ def test_a_decode_answers_cached_tokens_become_the_prefill_sides():
     assert wire.with_cached_tokens(no_usage, 5) == no_usage
     assert wire.cached_tokens_of(json.loads(body)) == 288
     assert wire.cached_tokens_of({"usage": None}) is None
+
+
+@pytest.mark.parametrize(
+    "configured, flavour, bootstrap_port, decoders, protocol",
+    [
+        ("auto", "dpmesh", 8998, {"dpmesh"}, "sglang"),  # ours in both roles: one step
+        ("auto", "dpmesh", None, {"dpmesh"}, "vllm"),  # no bootstrap listener known
+        ("auto", "dpmesh", 8998, {"dpmesh", "vllm"}, "vllm"),  # a decode worker not ours
+        ("auto", "sglang", 8998, {"sglang"}, "sglang"),
+        ("auto", "vllm", None, {"vllm"}, "vllm"),
+        ("auto", "atom", None, {"atom"}, "vllm"),
+        ("vllm", "dpmesh", 8998, {"dpmesh"}, "vllm"),  # --pd-protocol decides
+        ("sglang", "vllm", None, {"vllm"}, "sglang"),
+    ],
+)
+def test_the_pd_protocol_is_one_step_where_every_worker_can_take_it(
+    configured, flavour, bootstrap_port, decoders, protocol
+):
+    prefill = SimpleNamespace(flavour=flavour, bootstrap_port=bootstrap_port)
+    assert wire.pd_protocol(configured, prefill, decoders) == protocol

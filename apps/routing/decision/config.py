@@ -44,9 +44,9 @@ class RouterConfig:
     tenant_cache_salt: bool = False
     # prefill/decode disaggregation (apps/routing/proxy/pd.py): each request's prefill leg goes to
     # a prefill worker's rank (``prefill_policy``, else ``policy``), its decode leg to a decode
-    # worker's (``decode_policy``, else ``policy``); ``pd_protocol``: "auto" (by the prefill
-    # worker's flavour: SGLang's bootstrap for SGLang, vLLM's kv_transfer_params for the rest),
-    # "vllm" or "sglang"
+    # worker's (``decode_policy``, else ``policy``); ``pd_protocol``: "auto" (by the workers'
+    # flavours: SGLang's bootstrap for SGLang and for ours in both roles, vLLM's
+    # kv_transfer_params for the rest: wire.pd_protocol), "vllm" or "sglang"
     pd: bool = False
     pd_protocol: str = "auto"
     prefill_policy: str | None = None

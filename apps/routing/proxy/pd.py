@@ -8,22 +8,28 @@ cost counts the blocks the decode rank lacks, which it must pull, and its load. 
 session keeps both legs where they were (one session entry per role). Then, by protocol
 (``wire.pd_protocol``):
 
-- vLLM's two steps (vLLM, ATOM, ours): the prefill leg with ``max_tokens: 1`` and
-  ``kv_transfer_params.do_remote_decode``, not streamed; its answer's ``kv_transfer_params``
-  go with the decode leg (for ATOM with the prefill side's ``remote_dp_size``, ``remote_tp_size``
-  and ``remote_dp_rank``: wire.decode_kv_transfer_params), whose answer is the client's (relayed
-  as any answer: upstream._attempt).
-- SGLang's one step: both legs at once with ``bootstrap_host`` / ``bootstrap_port`` /
-  ``bootstrap_room``, the room chosen so that ``room % dp_size`` is the chosen prefill rank (which
-  the prefill leg also names as its rank), ``disagg_prefill_dp_rank`` telling the decode side.
+- vLLM's two steps (vLLM, ATOM, or a fleet whose workers are not all ours): the prefill leg
+  with ``max_tokens: 1`` and ``kv_transfer_params.do_remote_decode``, not streamed; its answer's
+  ``kv_transfer_params`` go with the decode leg (for ATOM with the prefill side's
+  ``remote_dp_size``, ``remote_tp_size`` and ``remote_dp_rank``:
+  wire.decode_kv_transfer_params), whose answer is the client's (relayed as any answer:
+  upstream._attempt).
+- SGLang's one step (SGLang, and ours when both roles are ours): both legs at once with
+  ``bootstrap_host`` / ``bootstrap_port`` / ``bootstrap_room``, the room chosen so that ``room %
+  dp_size`` is the chosen prefill rank (which the prefill leg also names as its rank),
+  ``disagg_prefill_dp_rank`` telling the decode side.
 
-Failure: with no decode worker the request is a 503 before any prefill holds KV. In two steps
-a leg whose worker could not be reached goes to another worker of its role (the prefill's KV
-waits for whichever decode worker pulls it), up to ``--max-retries``; any other failure of a
-prefill leg ends the request with its error, the decode leg never sent. In one step no leg is
-retried: a failed prefill leg cancels the decode leg, which closes its connection, so its engine
-aborts it. A client that leaves cancels both. Each leg's dispatch is ended exactly once, by the
-code that sent it.
+Failure: with no decode worker the request is a 503 before any prefill holds KV. Nothing reaches
+the client before the decode leg's first token, so either protocol retries a leg, up to
+``--max-retries`` per role: a prefill leg whose worker could not be reached goes to another
+prefill worker (in one step with a new room, and the decode leg again, on any decode worker);
+a decode leg that failed before anything was relayed goes to another decode worker, which pulls
+the same held KV (in one step once the prefill leg has answered, and only where the prefill
+worker is ours, which holds a room's blocks until they are pulled or time out). Any other
+failure of a prefill leg ends the request with its error, the decode leg cancelled or never
+sent; a decode leg that cannot be retried cancels a prefill leg still running (its engine aborts
+it, holding nothing). A client that leaves cancels both. Each leg's dispatch is ended exactly
+once, by the code that sent it.
 """
 
 from __future__ import annotations
@@ -69,8 +75,16 @@ class Legs:
         return len(self.tried[role]) <= self.router.config.max_retries
 
     def available(self, role: str) -> bool:
-        return bool(self.router.fleet.candidates(self.model, role) or (
-            self.model and self.router.fleet.candidates(None, role)))  # fmt: skip
+        return bool(self._candidates(role))
+
+    def flavours(self, role: str) -> set[str]:
+        """The flavours of the workers that could take ``role``'s leg."""
+        return {target.worker.flavour for target in self._candidates(role)}
+
+    def _candidates(self, role: str):
+        fleet = self.router.fleet
+        return fleet.candidates(self.model, role) or (
+            fleet.candidates(None, role) if self.model else [])  # fmt: skip
 
 
 async def serve(
@@ -97,15 +111,11 @@ async def serve(
     except NoTarget as exc:
         await _error(send, 503, str(exc))
         return
-    protocol = wire.pd_protocol(router.config.pd_protocol, prefill[0].target.worker.flavour)
+    protocol = wire.pd_protocol(
+        router.config.pd_protocol, prefill[0].target.worker, legs.flavours("decode")
+    )
     if protocol == "sglang":
-        try:
-            decode = legs.route("decode")
-        except NoTarget as exc:
-            prefill[0].finish(ok=False)
-            await _error(send, 503, str(exc))
-            return
-        await _one_step(router, prefill, decode, body, path, send, since)
+        await _one_step(router, legs, prefill, body, path, send, since)
     else:
         await _two_step(router, legs, prefill, body, path, send, since)
 
@@ -158,10 +168,37 @@ async def _two_step(router, legs: Legs, prefill, body, path, send, since):
         logger.warning("decode leg: %s; another decode worker", failed.message)
 
 
-async def _one_step(router, prefill, decode, body, path, send, since):
-    """SGLang's protocol: both legs at once, joined by the bootstrap room (no leg is retried: the
-    other has gone with the same room)."""
-    (prefill, prefill_ids), (decode, decode_ids) = prefill, decode
+async def _one_step(router, legs: Legs, prefill, body, path, send, since):
+    """SGLang's protocol: both legs at once, joined by a bootstrap room. A prefill worker that
+    could not be reached: both legs again, on another prefill worker and a new room (the decode
+    worker of the failed room may take the new one: it did nothing wrong)."""
+    while True:
+        tried_decode = set(legs.tried["decode"])
+        try:
+            decode = legs.route("decode")
+        except NoTarget as exc:
+            prefill[0].finish(ok=False)
+            await _error(send, 503, str(exc))
+            return
+        failed = await _one_room(router, legs, prefill, decode, body, path, send, since)
+        if failed is None:
+            return
+        if not (isinstance(failed, Unreachable) and legs.can_retry("prefill")):
+            await send_body(send, failed.status, failed.body())
+            return
+        logger.warning("prefill leg: %s; both legs again on another prefill worker", failed.message)
+        legs.tried["decode"] = tried_decode
+        try:
+            prefill = legs.route("prefill")
+        except NoTarget:
+            await send_body(send, failed.status, failed.body())
+            return
+
+
+async def _one_room(router, legs, prefill, decode, body, path, send, since):
+    """One room's two legs. None: the client has its answer (or an error relayed from the decode
+    worker); else the failure to answer or retry on, nothing sent."""
+    (prefill, prefill_ids) = prefill
     extra = [(PREFILL_HEADER, prefill.target.key.encode())]
     worker = prefill.target.worker
     fields = wire.sglang_bootstrap(
@@ -174,20 +211,27 @@ async def _one_step(router, prefill, decode, body, path, send, since):
     prefill_leg = asyncio.ensure_future(
         _prefill_leg(router, prefill, prefill_body, path, prefill_ids)
     )
-    decode_leg = asyncio.ensure_future(
-        _decode_leg(router, decode, decode_body, path, send, extra, decode_ids, since)
-    )
+    decode_leg = asyncio.ensure_future(_decode_legs(
+        router, legs, decode, decode_body, path, send, extra, since, prefill_leg,
+        retry=worker.flavour == "dpmesh",
+    ))  # fmt: skip
     try:
         done, _ = await asyncio.wait({prefill_leg, decode_leg}, return_when=asyncio.FIRST_COMPLETED)
         if prefill_leg in done and isinstance(prefill_leg.result(), upstream.ProxyError):
-            failed = prefill_leg.result()
-            if not decode_leg.done():
-                decode_leg.cancel()  # its engine waits for KV that will not come: end it now
+            if not decode_leg.done():  # its engine waits for KV that will not come: end it now
+                decode_leg.cancel()
                 await asyncio.gather(decode_leg, return_exceptions=True)
-                await send_body(send, failed.status, failed.body())
-                return
-        await decode_leg
-        await prefill_leg
+                return prefill_leg.result()
+        relayed = await decode_leg
+        if relayed is None:
+            await prefill_leg
+            return None
+        if not prefill_leg.done():  # the decode side gave up: the prefill would hold for nobody
+            prefill_leg.cancel()
+            await asyncio.gather(prefill_leg, return_exceptions=True)
+            return relayed
+        answer = prefill_leg.result()
+        return answer if isinstance(answer, upstream.ProxyError) else relayed
     finally:
         for leg in (prefill_leg, decode_leg):
             leg.cancel()
@@ -249,14 +293,27 @@ async def _prefill_leg(router, dispatch, body, path, ids) -> dict | upstream.Pro
         dispatch.finish(ok=ok, usage=usage if isinstance(usage, dict) else None)
 
 
-async def _decode_leg(router, dispatch, body, path, send, extra, ids, since) -> None:
-    """Send the decode leg and relay its answer to the client (upstream._attempt: its dispatch
-    ends there); a failure before anything was relayed is the client's error."""
-    failed = await upstream._attempt(
-        router, dispatch, body, path, send, last_try=True, ids=ids, since=since, extra=extra
-    )
-    if failed is not None:
-        await send_body(send, failed.status, failed.body())
+async def _decode_legs(router, legs, decode, body, path, send, extra, since, prefill_leg, *,
+                       retry: bool) -> upstream.ProxyError | None:  # fmt: skip
+    """Send a room's decode leg and relay its answer to the client (upstream._attempt: each
+    dispatch ends there). One that failed before anything was relayed goes, with ``retry``, to
+    another decode worker once the prefill leg has answered well (the room's KV is held for
+    whoever pulls it). None: the client has an answer; else the failure, nothing sent."""
+    while True:
+        dispatch, ids = decode
+        failed = await upstream._attempt(
+            router, dispatch, body, path, send, last_try=False, ids=ids, since=since, extra=extra
+        )
+        if failed is None or not (retry and legs.can_retry("decode")):
+            return failed
+        await asyncio.wait({prefill_leg})  # not cancelled with this leg
+        if isinstance(prefill_leg.result(), upstream.ProxyError):
+            return failed  # the prefill's failure decides (another prefill worker, or its error)
+        logger.warning("decode leg: %s; another decode worker, the same room", failed.message)
+        try:
+            decode = legs.route("decode")
+        except NoTarget:
+            return failed
 
 
 async def _error(send, status: int, message: str) -> None:

@@ -126,12 +126,21 @@ VLLM_PREFILL_PARAMS = {
 SGLANG_DEFAULT_BOOTSTRAP_PORT = 8998
 
 
-def pd_protocol(configured: str, flavour: str) -> str:
-    """The handshake between a request's legs: the configured one, else by the prefill worker's
-    flavour (SGLang's bootstrap for SGLang; vLLM's kv_transfer_params for vLLM, ATOM, ours)."""
+def pd_protocol(configured: str, prefill_worker, decode_flavours: set[str]) -> str:
+    """The handshake between a request's legs: the configured one, else by the workers' flavours:
+    SGLang's bootstrap for an SGLang prefill worker, and for ours when it has a bootstrap
+    listener and every decode worker is ours too (both legs at once: the decode leg's bootstrap
+    and connection overlap the prefill instead of following its answer); vLLM's
+    kv_transfer_params for the rest (vLLM, ATOM, a mixed fleet)."""
     if configured in ("vllm", "sglang"):
         return configured
-    return "sglang" if flavour == "sglang" else "vllm"
+    if prefill_worker.flavour == "sglang":
+        return "sglang"
+    if prefill_worker.flavour == "dpmesh" and prefill_worker.bootstrap_port and (
+        decode_flavours == {"dpmesh"}
+    ):
+        return "sglang"
+    return "vllm"
 
 
 def vllm_prefill_body(body: dict) -> dict:
