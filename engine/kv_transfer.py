@@ -22,6 +22,7 @@ or not the decode side read it: one pull per prefill.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import queue
@@ -54,6 +55,24 @@ class TransferError(Exception):
 def send_frame(sock: socket.socket, payload: dict) -> None:
     data = json.dumps(payload).encode()
     sock.sendall(HEADER.pack(len(data)) + data)
+
+
+async def ask(host: str, port: int, payload: dict, timeout_s: float) -> dict:
+    """One frame sent to a listener of this framing (a prefill worker's bootstrap listener) and
+    its one-frame answer, from an event loop. Raises OSError, TimeoutError, ValueError or
+    asyncio.IncompleteReadError."""
+    async with asyncio.timeout(timeout_s):
+        reader, writer = await asyncio.open_connection(host, port)
+        try:
+            data = json.dumps(payload).encode()
+            writer.write(HEADER.pack(len(data)) + data)
+            (length,) = HEADER.unpack(await reader.readexactly(HEADER.size))
+            answer = json.loads(await reader.readexactly(min(length, 65536)))
+        finally:
+            writer.close()
+    if not isinstance(answer, dict):
+        raise ValueError("the answer is not a JSON object")
+    return answer
 
 
 def recv_exact(sock: socket.socket, n: int) -> bytes:

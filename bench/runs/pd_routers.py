@@ -124,10 +124,9 @@ def main(argv=None) -> None:
             cell(args.targets[0], 900 + conc, conc)
         seed = 1000
         for rnd in range(args.rounds):
+            turn = rnd % len(args.targets)  # each round starts with another target
             for conc in args.concurrency:
-                for name in args.targets[rnd % len(args.targets):] + args.targets[
-                    : rnd % len(args.targets)
-                ]:  # each round starts with another target
+                for name in args.targets[turn:] + args.targets[:turn]:
                     seed += 1
                     samples, (run, (pdiff, _), pulled) = cell(name, seed, conc)
                     print(row(rnd, conc, name, run, pdiff, pulled, samples, tok), flush=True)

@@ -25,6 +25,7 @@ from engine.server.ipc import (
     Outputs,
     RankReady,
     RankStats,
+    ReleaseHeld,
     Shutdown,
 )
 from engine.server.rank import rank_main
@@ -370,6 +371,19 @@ class EngineClient:
                     state.inbox.send(AbortRequest(request_id))
                 except OSError:
                     pass
+
+    def release_held(self, rank: int, key: str) -> None:
+        """Give up the blocks a prefill holds on ``rank`` under ``key`` (from any thread: the
+        message is sent from the loop, the one writer of a rank's pipe)."""
+        self._call(self._send_release, self.ranks[rank], key)
+
+    @staticmethod
+    def _send_release(state: RankState, key: str) -> None:
+        if state.alive:
+            try:
+                state.inbox.send(ReleaseHeld(key))
+            except OSError:
+                pass  # the rank is gone, and its blocks with it
 
     async def embed(self, request_id: str, rank: int, inputs: list[list[int]]):
         """The embeddings of ``inputs`` (token ids) computed on ``rank``, one vector each; its load

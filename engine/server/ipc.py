@@ -56,6 +56,14 @@ class AbortRequest:
 
 
 @dataclass(frozen=True)
+class ReleaseHeld:
+    """A prefill's held blocks given up (its decode leg will not come: the router says so through
+    the bootstrap listener): released now, unless a pull has them."""
+
+    key: str
+
+
+@dataclass(frozen=True)
 class Shutdown:
     pass
 

@@ -31,7 +31,6 @@ is a 400; a prefill worker that cannot be reached is a 502.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import socket
 
@@ -96,17 +95,8 @@ async def sglang_decode_fields(body: dict, room: int, wait_s: float) -> dict:
     if rank is not None and (not is_int(rank) or rank < 0):
         raise APIError(400, "'disagg_prefill_dp_rank' must be an integer >= 0")
     try:
-        async with asyncio.timeout(BOOTSTRAP_TIMEOUT_S):
-            reader, writer = await asyncio.open_connection(host, port)
-            try:
-                data = json.dumps({"op": "where", "room": room, "rank": rank}).encode()
-                writer.write(kv_transfer.HEADER.pack(len(data)) + data)
-                (length,) = kv_transfer.HEADER.unpack(
-                    await reader.readexactly(kv_transfer.HEADER.size)
-                )
-                answer = json.loads(await reader.readexactly(min(length, 65536)))
-            finally:
-                writer.close()
+        ask = {"op": "where", "room": room, "rank": rank}
+        answer = await kv_transfer.ask(host, port, ask, BOOTSTRAP_TIMEOUT_S)
     except (OSError, TimeoutError, ValueError, asyncio.IncompleteReadError) as exc:
         raise APIError(
             502, f"the prefill worker's bootstrap listener {host}:{port} did not answer: {exc!r}"
@@ -163,10 +153,15 @@ def prefill_answer(client, info: dict, rank: int, rid: str, last) -> dict | None
 
 
 class BootstrapServer:
-    """A prefill worker's bootstrap listener (SGLang's ``--disaggregation-bootstrap-port``): a
-    decode worker asks it, in one frame (engine/kv_transfer.py's framing), ``{"op": "where",
-    "room", "rank"}``, and it answers where that room's prefill rank takes pulls: ``{"ok",
-    "host", "port", "rank", "dp_size"}``."""
+    """A prefill worker's bootstrap listener (SGLang's ``--disaggregation-bootstrap-port``). In
+    one frame each (engine/kv_transfer.py's framing):
+
+    - a decode worker asks ``{"op": "where", "room", "rank"}``: where that room's prefill rank
+      takes pulls, ``{"ok", "host", "port", "rank", "dp_size"}``;
+    - a router says ``{"op": "release", "room"}`` or ``{"op": "release", "request_id", "rank"}``
+      (vLLM's protocol): a prefill whose decode leg will not come (its decode worker failed and
+      no other took it, or its client left) gives its held blocks back now, instead of at
+      ``--kv-transfer-timeout-secs``; ``{"ok"}`` (also when nothing was held)."""
 
     def __init__(self, host: str, port: int, client):
         self.client = client
@@ -181,7 +176,9 @@ class BootstrapServer:
         with conn:
             conn.settimeout(kv_transfer.CONNECT_TIMEOUT_S)
             try:
-                kv_transfer.send_frame(conn, self.where(kv_transfer.recv_frame(conn)))
+                ask = kv_transfer.recv_frame(conn)
+                answer = self.release(ask) if ask.get("op") == "release" else self.where(ask)
+                kv_transfer.send_frame(conn, answer)
             except (OSError, ValueError) as exc:
                 logger.warning("bootstrap query failed: %r", exc)
 
@@ -199,3 +196,18 @@ class BootstrapServer:
         host = self.client.config.kv_transfer_host
         return {"ok": True, "host": host, "port": state.info.kv_port, "rank": rank,
                 "dp_size": dp_size}  # fmt: skip
+
+    def release(self, ask: dict) -> dict:
+        room, rid, rank = ask.get("room"), ask.get("request_id"), ask.get("rank")
+        dp_size = self.client.dp_size
+        if rank is not None and not (is_int(rank) and 0 <= rank < dp_size):
+            return {"ok": False, "error": f"this prefill worker has DP ranks 0-{dp_size - 1}"}
+        if is_int(room) and room >= 0:
+            key, rank = room_key(room), room % dp_size if rank is None else rank
+        elif isinstance(rid, str) and rid and rank is not None:
+            key = rid
+        else:
+            error = "a release names a 'room', or a 'request_id' and its 'rank'"
+            return {"ok": False, "error": error}
+        self.client.release_held(rank, key)
+        return {"ok": True}

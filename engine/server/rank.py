@@ -24,6 +24,7 @@ from engine.server.ipc import (
     Outputs,
     RankReady,
     RankStats,
+    ReleaseHeld,
     Shutdown,
 )
 
@@ -126,6 +127,11 @@ class RankLoop:
                 if req is not None and req.hold_key is not None and self.kv_server is not None:
                     self.kv_server.fail(req.hold_key, "the prefill was aborted")
                 self.engine.abort_request(msg.request_id)
+        elif isinstance(msg, ReleaseHeld):
+            # withdrawn from the transfer server first: a pull that has it releases it itself
+            offered = self.kv_server is None or self.kv_server.take(msg.key)
+            if offered and self.engine.release_held(msg.key):
+                logger.info("KV held under %s released: its decode leg will not come", msg.key)
         self.stats_dirty = True
         return True
 

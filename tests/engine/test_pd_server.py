@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import socket
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -16,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from engine import kv_transfer
 from harness.procs import free_port, metrics, start, start_engine, wait_for
 
 pytestmark = pytest.mark.slow
@@ -170,6 +172,37 @@ def test_a_prefill_nobody_pulls_is_released_after_the_timeout(pd):
         lambda: held_and_used(prefill.url)[0] == 1, timeout=2
     )
     assert wait_for(lambda: held_and_used(prefill.url) == (0, 0), timeout=10)
+
+
+def ask_bootstrap(prefill, ask: dict) -> dict:
+    port = sglang_fields(prefill, 0)["bootstrap_port"]
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+        kv_transfer.send_frame(conn, ask)
+        return kv_transfer.recv_frame(conn)
+
+
+def test_a_router_releases_a_hold_whose_decode_will_not_come(pd):
+    """The bootstrap listener's ``release`` (what our router sends when no decode leg will pull):
+    by request id and rank (vLLM's protocol) or by room (SGLang's), the rank logs it and holds
+    nothing; a release of nothing held is fine; a malformed one says what it needs."""
+    prefill, _ = pd
+    released = "its decode leg will not come"
+    before = prefill.log().count(released)
+    params = prefill_leg(prefill, False, prompt_text(4242))
+    ask = {"op": "release", "request_id": params["remote_request_id"],
+           "rank": params["remote_dp_rank"]}  # fmt: skip
+    assert ask_bootstrap(prefill, ask) == {"ok": True}
+    room = 4243  # rank 1 of 2
+    r = post(prefill.url, body_for(False, prompt_text(4243), **sglang_fields(prefill, room)), False)
+    assert r.status_code == 200, r.text
+    assert ask_bootstrap(prefill, {"op": "release", "room": room}) == {"ok": True}
+    # (a hold the 3 s KV timeout frees logs another line: only the release counts here)
+    assert wait_for(lambda: prefill.log().count(released) == before + 2, timeout=10)
+    assert wait_for(lambda: held_and_used(prefill.url)[0] == 0, timeout=10)
+    assert ask_bootstrap(prefill, {"op": "release", "room": room}) == {"ok": True}  # gone now
+    bad = ask_bootstrap(prefill, {"op": "release", "request_id": "x"})
+    assert bad["ok"] is False and "'rank'" in bad["error"], bad
+    assert ask_bootstrap(prefill, {"op": "release", "room": 1, "rank": 9})["ok"] is False
 
 
 def test_server_info_and_kv_transfer_info_say_the_role_and_where_to_pull(pd):

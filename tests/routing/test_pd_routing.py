@@ -240,6 +240,36 @@ def test_a_decode_worker_killed_mid_workload_hangs_nothing_and_leaks_nothing(pd,
     assert wait_for(lambda: _held(decode.url) == 0, timeout=10)
 
 
+def test_a_prefill_whose_decode_leg_will_not_come_is_released_at_once(pd, tmp_path):
+    """The only decode worker SIGKILLed, its death not yet noticed: in either protocol the prefill
+    runs and holds its blocks, the decode leg fails with nowhere else to go (an error, not a
+    hang), and the router tells the prefill worker's bootstrap listener to give the blocks back
+    (the engine logs it), not leaving them to the KV timeout."""
+    prefill, _, _ = pd
+    role = ("--disaggregation-mode", "decode")
+    released = "its decode leg will not come"
+    with start_engine(tmp_path, "--dp-size", "1", *role, name="only-decode") as doomed, \
+            ExitStack() as stack:  # fmt: skip
+        flags = ("--pd-disaggregation", "--prefill", prefill.url, "--decode", doomed.url)
+        routers = [stack.enter_context(start_router(tmp_path, [], f"only-decode-{p}", *flags,
+                                                    "--pd-protocol", p))
+                   for p in ("auto", "vllm")]  # fmt: skip
+        for router in routers:
+            assert wait_for(lambda r=router: _targets(r.url) == DP + 1, timeout=60)
+            r = post(router.url, body_for(False, prompt_text(7700)), False)
+            assert r.status_code == 200, r.text
+        doomed.kill()
+        before = prefill.log().count(released)
+        for i, router in enumerate(routers):
+            r = post(router.url, body_for(False, prompt_text(7800 + i)), False)
+            assert r.status_code in (502, 503) and "error" in r.json(), r.text
+            assert_idle(router.url, timeout=10)
+        assert wait_for(lambda: prefill.log().count(released) >= before + 2, timeout=10), (
+            prefill.log()[-3000:]
+        )
+    assert wait_for(lambda: _held(prefill.url) == 0, timeout=10)
+
+
 def test_workers_and_metrics_say_each_workers_role(pd):
     prefill, decode, routers = pd
     url = routers["vllm"].url

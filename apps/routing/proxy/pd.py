@@ -28,7 +28,10 @@ the same held KV (in one step once the prefill leg has answered, and only where 
 worker is ours, which holds a room's blocks until they are pulled or time out). Any other
 failure of a prefill leg ends the request with its error, the decode leg cancelled or never
 sent; a decode leg that cannot be retried cancels a prefill leg still running (its engine aborts
-it, holding nothing). A client that leaves cancels both. Each leg's dispatch is ended exactly
+it, holding nothing). A client that leaves cancels both. Where a prefill worker of ours answered
+and no decode leg will pull what it holds (the decode failed for good, or the client left), the
+router tells its bootstrap listener to release it at once (``_release_later``), instead of
+leaving it to the engine's ``--kv-transfer-timeout-secs``. Each leg's dispatch is ended exactly
 once, by the code that sent it.
 """
 
@@ -43,6 +46,7 @@ from apps.routing.decision.router import NoTarget, Router
 from apps.routing.feeds import health
 from apps.routing.proxy import upstream, wire
 from controlplane import http1
+from engine import kv_transfer
 from serving.asgi import send_body
 
 logger = logging.getLogger(__name__)
@@ -148,24 +152,31 @@ async def _two_step(router, legs: Legs, prefill, body, path, send, since):
         wire.KV_TRANSFER_PARAMS: wire.decode_kv_transfer_params(params, dispatch.target),
     }
     cached = wire.cached_tokens_of(answer)
-    while True:
-        try:
-            decode, ids = legs.route("decode")
-        except NoTarget as exc:
-            await _error(send, 503, str(exc))
-            return
-        last = not legs.can_retry("decode")
-        # ours reports the prefill side's cached tokens itself; vLLM's counts what it pulled
-        fix = cached if decode.target.worker.flavour != "dpmesh" else None
-        failed = await upstream._attempt(router, decode, decode_body, path, send, last_try=last,
-                                         ids=ids, since=since, extra=extra,
-                                         cached_tokens=fix)  # fmt: skip
-        if failed is None:
-            return
-        if last:
-            await send_body(send, failed.status, failed.body())
-            return
-        logger.warning("decode leg: %s; another decode worker", failed.message)
+    answered = False
+    try:
+        while True:
+            try:
+                decode, ids = legs.route("decode")
+            except NoTarget as exc:
+                await _error(send, 503, str(exc))
+                return
+            last = not legs.can_retry("decode")
+            # ours reports the prefill side's cached tokens itself; vLLM's counts what it pulled
+            fix = cached if decode.target.worker.flavour != "dpmesh" else None
+            failed = await upstream._attempt(router, decode, decode_body, path, send,
+                                             last_try=last, ids=ids, since=since, extra=extra,
+                                             cached_tokens=fix)  # fmt: skip
+            if failed is None:
+                answered = True
+                return
+            if last:
+                await send_body(send, failed.status, failed.body())
+                return
+            logger.warning("decode leg: %s; another decode worker", failed.message)
+    finally:
+        if not answered:  # no decode leg will pull what the prefill holds
+            _release_later(dispatch.target, request_id=params.get("remote_request_id"),
+                           rank=params.get("remote_dp_rank", dispatch.target.rank))  # fmt: skip
 
 
 async def _one_step(router, legs: Legs, prefill, body, path, send, since):
@@ -215,6 +226,7 @@ async def _one_room(router, legs, prefill, decode, body, path, send, since):
         router, legs, decode, decode_body, path, send, extra, since, prefill_leg,
         retry=worker.flavour == "dpmesh",
     ))  # fmt: skip
+    answered = False
     try:
         done, _ = await asyncio.wait({prefill_leg, decode_leg}, return_when=asyncio.FIRST_COMPLETED)
         if prefill_leg in done and isinstance(prefill_leg.result(), upstream.ProxyError):
@@ -224,6 +236,7 @@ async def _one_room(router, legs, prefill, decode, body, path, send, since):
                 return prefill_leg.result()
         relayed = await decode_leg
         if relayed is None:
+            answered = True
             await prefill_leg
             return None
         if not prefill_leg.done():  # the decode side gave up: the prefill would hold for nobody
@@ -236,10 +249,48 @@ async def _one_room(router, legs, prefill, decode, body, path, send, since):
         for leg in (prefill_leg, decode_leg):
             leg.cancel()
         await asyncio.gather(prefill_leg, decode_leg, return_exceptions=True)
+        if not answered and _answered_well(prefill_leg):  # nobody will pull what it holds
+            _release_later(prefill.target, room=fields["bootstrap_room"])
 
 
 class Unreachable(upstream.ProxyError):
     """A leg's worker could not be reached: nothing was sent, another worker may take it."""
+
+
+def _answered_well(leg: asyncio.Future) -> bool:
+    """Whether a prefill leg's task ended with the worker's answer (not an error)."""
+    if not leg.done() or leg.cancelled() or leg.exception() is not None:
+        return False
+    return isinstance(leg.result(), dict)
+
+
+# background releases of held KV (kept here until done: the loop holds tasks weakly)
+_RELEASES: set[asyncio.Task] = set()
+RELEASE_TIMEOUT_S = 5.0
+
+
+def _release_later(target, **ask) -> None:
+    """Tell our prefill worker, in the background, to give back the KV it holds for a decode
+    leg that will not come (engine/server/pd.py ``BootstrapServer.release``): ``room`` (SGLang's
+    protocol) or ``request_id`` and ``rank`` (vLLM's). Not for other engines: theirs frees it at
+    its own timeout."""
+    worker = target.worker
+    if worker.flavour != "dpmesh" or not worker.bootstrap_port:
+        return
+    task = asyncio.ensure_future(_release(worker, {"op": "release", **ask}))
+    _RELEASES.add(task)
+    task.add_done_callback(_RELEASES.discard)
+
+
+async def _release(worker, ask: dict) -> None:
+    host = urlsplit(worker.url).hostname
+    try:
+        answer = await kv_transfer.ask(host, worker.bootstrap_port, ask, RELEASE_TIMEOUT_S)
+    except (OSError, TimeoutError, ValueError, asyncio.IncompleteReadError) as exc:
+        logger.warning("could not release KV held on %s (%r): %r", worker.url, ask, exc)
+        return
+    if not answer.get("ok"):
+        logger.warning("%s did not release %r: %s", worker.url, ask, answer.get("error"))
 
 
 def _room(rank: int | None, dp_size: int) -> int:

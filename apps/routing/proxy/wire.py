@@ -136,9 +136,8 @@ def pd_protocol(configured: str, prefill_worker, decode_flavours: set[str]) -> s
         return configured
     if prefill_worker.flavour == "sglang":
         return "sglang"
-    if prefill_worker.flavour == "dpmesh" and prefill_worker.bootstrap_port and (
-        decode_flavours == {"dpmesh"}
-    ):
+    ours = prefill_worker.flavour == "dpmesh" and decode_flavours == {"dpmesh"}
+    if ours and prefill_worker.bootstrap_port:
         return "sglang"
     return "vllm"
 
