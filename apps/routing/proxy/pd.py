@@ -358,7 +358,7 @@ async def _decode_legs(router, legs, decode, body, path, send, extra, since, pre
         if failed is None or not (retry and legs.can_retry("decode")):
             return failed
         await asyncio.wait({prefill_leg})  # not cancelled with this leg
-        if isinstance(prefill_leg.result(), upstream.ProxyError):
+        if not _answered_well(prefill_leg):
             return failed  # the prefill's failure decides (another prefill worker, or its error)
         logger.warning("decode leg: %s; another decode worker, the same room", failed.message)
         try:
