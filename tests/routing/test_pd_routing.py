@@ -9,7 +9,7 @@ import json
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 
 import httpx
 import pytest
@@ -178,64 +178,68 @@ def test_a_prefill_worker_killed_under_load_loses_no_request(pd, tmp_path, proto
     assert wait_for(lambda: _held(decode.url) == 0, timeout=10)
 
 
+@contextmanager
+def _a_second_decode_worker(pd, tmp_path, name: str):
+    """(a decode worker of its own, DP 1, to kill; a router with it beside the shared one, the
+    decode legs round robin between them)."""
+    prefill, decode, _ = pd
+    role = ("--disaggregation-mode", "decode")
+    with start_engine(tmp_path, "--dp-size", "1", *role, name=name) as doomed:
+        flags = ("--pd-disaggregation", "--prefill", prefill.url, "--decode", decode.url,
+                 "--decode", doomed.url, "--decode-policy", "round_robin")  # fmt: skip
+        with start_router(tmp_path, [], f"{name}-router", *flags) as router:
+            assert wait_for(lambda: _targets(router.url) == 2 * DP + 1, timeout=60)
+            yield doomed, router
+
+
 def test_a_decode_worker_gone_before_its_leg_goes_to_another_with_the_same_room(pd, tmp_path):
     """One step (``auto`` for our engine in both roles): a decode worker killed between requests,
     its death not yet noticed. The decode leg sent to it goes to the other decode worker, which
     pulls the same room's KV from the prefill; the prefill ran once for each request."""
     prefill, decode, _ = pd
-    role = ("--disaggregation-mode", "decode")
-    with start_engine(tmp_path, "--dp-size", "1", *role, name="gone-decode") as doomed:
-        flags = ("--pd-disaggregation", "--prefill", prefill.url, "--decode", decode.url,
-                 "--decode", doomed.url, "--decode-policy", "round_robin")  # fmt: skip
-        with start_router(tmp_path, [], "gone-decode", *flags) as router:
-            assert wait_for(lambda: _targets(router.url) == 2 * DP + 1, timeout=60)
-            for i in range(2):  # round robin: one decode leg on each worker
-                r = post(router.url, body_for(False, prompt_text(7500 + i)), False)
-                assert r.status_code == 200, r.text
-            doomed.kill()
-            before = sum(metrics(prefill.url).get(("requests", r), 0) for r in range(DP))
-            for i in range(4):
-                r = post(router.url, body_for(i % 2 == 1, prompt_text(7600 + i)), i % 2 == 1)
-                assert r.status_code == 200, r.text
-                assert r.headers["x-routed-target"].startswith(decode.url)
-            after = sum(metrics(prefill.url).get(("requests", r), 0) for r in range(DP))
-            assert after - before == 4  # no prefill ran twice
-            assert "another decode worker, the same room" in router.log()
-            assert_idle(router.url, timeout=10)
+    with _a_second_decode_worker(pd, tmp_path, "gone-decode") as (doomed, router):
+        for i in range(2):  # round robin: one decode leg on each worker
+            r = post(router.url, body_for(False, prompt_text(7500 + i)), False)
+            assert r.status_code == 200, r.text
+        doomed.kill()
+        before = sum(metrics(prefill.url).get(("requests", r), 0) for r in range(DP))
+        for i in range(4):
+            r = post(router.url, body_for(i % 2 == 1, prompt_text(7600 + i)), i % 2 == 1)
+            assert r.status_code == 200, r.text
+            assert r.headers["x-routed-target"].startswith(decode.url)
+        after = sum(metrics(prefill.url).get(("requests", r), 0) for r in range(DP))
+        assert after - before == 4  # no prefill ran twice
+        assert "another decode worker, the same room" in router.log()
+        assert_idle(router.url, timeout=10)
     assert wait_for(lambda: _held(prefill.url) == 0, timeout=10)
 
 
 def test_a_decode_worker_killed_mid_workload_hangs_nothing_and_leaks_nothing(pd, tmp_path):
     """Two decode workers, one SIGKILLed while streams run on it: its streams end (an error event
     or a retry elsewhere), none hangs; requests sent 5 s later all succeed; nothing stays held on
-    the prefill side (a prefill whose decode died is released at the KV timeout, 3 s here) and
-    the router's load is back to 0."""
+    the prefill side (a prefill whose decode died is retried elsewhere or released, at once or at
+    the KV timeout, 3 s here) and the router's load is back to 0."""
     prefill, decode, _ = pd
-    role = ("--disaggregation-mode", "decode")
-    with start_engine(tmp_path, "--dp-size", "1", *role, name="doomed-decode") as doomed:
-        flags = ("--pd-disaggregation", "--prefill", prefill.url, "--decode", decode.url,
-                 "--decode", doomed.url, "--decode-policy", "round_robin")  # fmt: skip
-        with start_router(tmp_path, [], "two-decodes", *flags) as router:
-            assert wait_for(lambda: _targets(router.url) == 2 * DP + 1, timeout=60)
+    with _a_second_decode_worker(pd, tmp_path, "doomed-decode") as (doomed, router):
 
-            def one(i: int) -> str:
-                body = {**body_for(False, prompt_text(7000 + i), stream=True), "max_tokens": 48,
-                        "ignore_eos": True}  # fmt: skip
-                r = httpx.post(router.url + "/v1/completions", json=body, timeout=60)
-                return f"{r.status_code} {'error' if 'error' in r.text else 'ok'}"
+        def one(i: int) -> str:
+            body = {**body_for(False, prompt_text(7000 + i), stream=True), "max_tokens": 48,
+                    "ignore_eos": True}  # fmt: skip
+            r = httpx.post(router.url + "/v1/completions", json=body, timeout=60)
+            return f"{r.status_code} {'error' if 'error' in r.text else 'ok'}"
 
-            with ThreadPoolExecutor(6) as pool:
-                jobs = [pool.submit(one, i) for i in range(12)]
-                time.sleep(1.0)
-                doomed.kill()
-                outcomes = [job.result(timeout=90) for job in jobs]  # none hangs
-            assert "200 ok" in outcomes, outcomes
-            time.sleep(5)
-            for i in range(6):
-                r = post(router.url, body_for(False, prompt_text(8000 + i)), False)
-                assert r.status_code == 200, r.text
-                assert r.headers["x-routed-target"].startswith(decode.url)
-            assert_idle(router.url, timeout=10)
+        with ThreadPoolExecutor(6) as pool:
+            jobs = [pool.submit(one, i) for i in range(12)]
+            time.sleep(1.0)
+            doomed.kill()
+            outcomes = [job.result(timeout=90) for job in jobs]  # none hangs
+        assert "200 ok" in outcomes, outcomes
+        time.sleep(5)
+        for i in range(6):
+            r = post(router.url, body_for(False, prompt_text(8000 + i)), False)
+            assert r.status_code == 200, r.text
+            assert r.headers["x-routed-target"].startswith(decode.url)
+        assert_idle(router.url, timeout=10)
     assert wait_for(lambda: _held(prefill.url) == 0, timeout=15), _held(prefill.url)
     assert wait_for(lambda: _held(decode.url) == 0, timeout=10)
 
