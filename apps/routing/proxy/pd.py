@@ -78,17 +78,12 @@ class Legs:
     def can_retry(self, role: str) -> bool:
         return len(self.tried[role]) <= self.router.config.max_retries
 
-    def available(self, role: str) -> bool:
-        return bool(self._candidates(role))
-
     def flavours(self, role: str) -> set[str]:
-        """The flavours of the workers that could take ``role``'s leg."""
-        return {target.worker.flavour for target in self._candidates(role)}
-
-    def _candidates(self, role: str):
+        """The flavours of the workers that could take ``role``'s leg (empty: none could)."""
         fleet = self.router.fleet
-        return fleet.candidates(self.model, role) or (
+        targets = fleet.candidates(self.model, role) or (
             fleet.candidates(None, role) if self.model else [])  # fmt: skip
+        return {target.worker.flavour for target in targets}
 
 
 async def serve(
@@ -107,7 +102,8 @@ async def serve(
     """Route both legs and run the handshake; the client gets the decode leg's answer, or the
     first error."""
     legs = Legs(router, body, chat, model, ids_by_path, rank, session)
-    if not legs.available("decode"):  # before any prefill holds KV for nobody
+    decoders = legs.flavours("decode")
+    if not decoders:  # before any prefill holds KV for nobody
         await _error(send, 503, "no available decode worker")
         return
     try:
@@ -115,9 +111,7 @@ async def serve(
     except NoTarget as exc:
         await _error(send, 503, str(exc))
         return
-    protocol = wire.pd_protocol(
-        router.config.pd_protocol, prefill[0].target.worker, legs.flavours("decode")
-    )
+    protocol = wire.pd_protocol(router.config.pd_protocol, prefill[0].target.worker, decoders)
     if protocol == "sglang":
         await _one_step(router, legs, prefill, body, path, send, since)
     else:
