@@ -34,6 +34,8 @@ class CircuitBreaker:
         return self._state
 
     def allows(self) -> bool:
+        if self._state == self.CLOSED:  # the usual case, read for every target of every request
+            return True
         state = self.state
         return state == self.CLOSED or (state == self.HALF_OPEN and not self.trial_in_flight)
 

@@ -120,9 +120,12 @@ class ServedVolume:
         """Each target's volume relative to the mean of ``keys`` (0: at the mean, -1: nothing
         lately); all 0 while none of them was sent anything."""
         own, peers = self.tokens, self.peers.values()
-        values = {
-            key: own.get(key, 0.0) + sum(peer.get(key, 0.0) for peer in peers) for key in keys
-        }
+        if peers:
+            values = {
+                key: own.get(key, 0.0) + sum(peer.get(key, 0.0) for peer in peers) for key in keys
+            }
+        else:  # one router process
+            values = {key: own.get(key, 0.0) for key in keys}
         mean = sum(values.values()) / len(values) if values else 0.0
         if mean <= 0:
             return dict.fromkeys(keys, 0.0)

@@ -103,7 +103,8 @@ class Target:
 
     @property
     def available(self) -> bool:
-        return self.worker.healthy and not self.worker.draining and self.breaker.allows()
+        worker = self.worker
+        return worker.healthy and not worker.draining and self.breaker.allows()
 
 
 class Fleet:

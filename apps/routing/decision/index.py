@@ -65,45 +65,49 @@ class PrefixIndex:
 
     def match(self, digests: list[int], keys: list[str] | None = None) -> dict[str, int]:
         """Leading blocks of ``digests`` each rank holds (only ranks with at least one)."""
+        return self.lookup(digests, keys)[0]
+
+    def shared_blocks(self, digests: list[int]) -> int:
+        """How many leading blocks of ``digests`` are a prefix several requests branch from: up to
+        the deepest known branching block, or to where this request itself leaves a known chain
+        (its next block differs from the one that followed there before)."""
+        return self.lookup(digests, ())[1]
+
+    def lookup(self, digests: list[int], keys=None) -> tuple[dict[str, int], int]:
+        """``match(digests, keys)`` and ``shared_blocks(digests)`` in one walk of the digests
+        (the router asks both of every request)."""
         candidates = self.ranks.keys() if keys is None else self.ranks.keys() & set(keys)
         alive = 0
         for key in candidates:  # expired entries leave first: what remains is within the TTL
             self._trim(key)
             alive |= self._bits[key]
         matched: dict[str, int] = {}
-        if not alive:
-            return matched
-        depth = 0
-        owners = self.owners
-        for digest in digests:
-            still = alive & owners.get(digest, 0)
-            if still != alive:  # the ones that dropped out matched ``depth``
-                if depth:
-                    for key in self._named(alive & ~still):
-                        matched[key] = depth
-                alive = still
-                if not alive:
-                    break
-            depth += 1
-        if depth:
+        depth = shared = 0
+        owners, branching, first_child = self.owners, self.branching, self.first_child
+        last = len(digests) - 1
+        for i, digest in enumerate(digests):
+            holders = owners.get(digest, 0)
+            if not holders:
+                break
+            if alive:
+                still = alive & holders
+                if still != alive:  # the ones that dropped out matched ``depth``
+                    if depth:
+                        for key in self._named(alive & ~still):
+                            matched[key] = depth
+                    alive = still
+                if alive:
+                    depth += 1
+            if digest in branching:
+                shared = i + 1
+            else:
+                child = first_child.get(digest)
+                if child is not None and i < last and child != digests[i + 1]:
+                    shared = i + 1
+        if alive and depth:
             for key in self._named(alive):
                 matched[key] = depth
-        return matched
-
-    def shared_blocks(self, digests: list[int]) -> int:
-        """How many leading blocks of ``digests`` are a prefix several requests branch from: up to
-        the deepest known branching block, or to where this request itself leaves a known chain
-        (its next block differs from the one that followed there before)."""
-        depth = 0
-        for i, digest in enumerate(digests):
-            if digest not in self.owners:
-                break
-            if digest in self.branching:
-                depth = i + 1
-            child = self.first_child.get(digest)
-            if child is not None and i + 1 < len(digests) and child != digests[i + 1]:
-                depth = i + 1
-        return depth
+        return matched, shared
 
     def insert(self, key: str, digests: list[int]) -> None:
         """Record that rank ``key`` now holds ``digests`` (most recently used)."""
@@ -160,15 +164,40 @@ class PrefixIndex:
         self.capacity.pop(key, None)
 
     def _trim(self, key: str) -> None:
+        """Evict ``key``'s least recently used digests past its capacity, and the expired ones
+        (``_disown`` and ``_lose`` inlined: a unique prompt into a full index evicts as many
+        digests as it inserts, on the router's event loop)."""
         lru = self.ranks.get(key)
-        if lru is None:
+        if not lru:
             return
-        cap = self.capacity.get(key, self.default_capacity)
-        now = self.clock()
-        while lru and (len(lru) > cap or now - next(iter(lru.values())) > self.ttl_s):
-            digest, _ = lru.popitem(last=False)
-            self._disown(digest, key)
-            self._lose(digest, key)
+        excess = len(lru) - self.capacity.get(key, self.default_capacity)
+        deadline = self.clock() - self.ttl_s
+        if excess <= 0 and next(iter(lru.values())) >= deadline:
+            return
+        bit = self._bits[key]
+        keep = ~bit
+        owners, first_child, branching, lost = (
+            self.owners,
+            self.first_child,
+            self.branching,
+            self.lost,
+        )
+        popitem = lru.popitem
+        while lru and (excess > 0 or next(iter(lru.values())) < deadline):
+            digest, _ = popitem(last=False)
+            excess -= 1
+            holders = owners.get(digest)
+            if holders is not None:
+                holders &= keep
+                if holders:
+                    owners[digest] = holders
+                else:
+                    del owners[digest]
+                    first_child.pop(digest, None)
+                    branching.discard(digest)
+            lost[digest] = lost.pop(digest, 0) | bit
+        while len(lost) > self.lost_cap:
+            lost.popitem(last=False)
 
     def _lose(self, digest: int, key: str) -> None:
         lost = self.lost

@@ -133,18 +133,37 @@ class CacheAware(Policy):
         matched: dict[str, int],
         shared_blocks: int = 0,
     ) -> list[float]:
-        hits = [self.matched_tokens(t, shape, matched) for t in targets]
-        best_match, shared = max(hits), shared_blocks * shape.block_tokens
-        inflight = [t.load.inflight for t in targets]
-        sessions = [t.load.active_sessions() for t in targets]
-        mean_inflight, mean_sessions = sum(inflight) / len(inflight), sum(sessions) / len(sessions)
+        return self._costs(targets, shape, matched, shared_blocks, self._loads(targets))[0]
+
+    @staticmethod
+    def _loads(targets: list[Target]) -> list[tuple[int, float, int]]:
+        """Each target's requests in flight, active sessions and queued prefill tokens, read once
+        (one clock reading for all) for both the costs and the choice among near ties."""
+        loads = [t.load for t in targets]
+        now = loads[0].clock() if loads else 0.0
+        return [
+            (load.requests + load.peer_requests, load.active_sessions(now),
+             load.pending_prefill_tokens + load.peer_prefill_tokens)
+            for load in loads
+        ]  # fmt: skip
+
+    def _costs(self, targets, shape, matched, shared_blocks, loads) -> tuple[list, list[int]]:
+        """The costs, and the tokens each target holds of the request (its hits)."""
+        hittable, block_tokens = shape.hittable_blocks, shape.block_tokens
+        hits = [min(matched.get(t.key, 0), hittable) * block_tokens for t in targets]
+        best_match, shared = max(hits), shared_blocks * block_tokens
+        count = len(targets)
+        total_inflight = sum(n for n, _, _ in loads)
+        mean_inflight = total_inflight / count
+        mean_sessions = sum(live for _, live, _ in loads) / count
         # Balance only matters under contention: with the fleet idle, affinity alone decides. And it
         # decides where sessions start; a session with private history moves only for a real queue.
-        busy = min(1.0, sum(inflight) / len(targets))
+        busy = min(1.0, total_inflight / count)
         pressure = busy if best_match <= shared else 0.0
         hot = self.hot(shape, hits, shared)
-        queued = sum(t.load.queued_prefill_tokens for t in targets) / len(targets)
-        depth = queued / shape.prompt_tokens if shape.prompt_tokens else 0.0
+        prompt = shape.prompt_tokens
+        queued = sum(q for _, _, q in loads) / count
+        depth = queued / prompt if prompt else 0.0
         rework = busy * max(self.rework_floor, min(self.rework_cap, depth))
         if not (pressure and hot):
             # a copy that buys no balance (private history, or a shared prefix its holders can
@@ -158,30 +177,38 @@ class CacheAware(Policy):
             # (its system prompt) to where it lands is paid once for all its later turns, and
             # where sessions start is the balance term's to decide
             rework = 0.0
-        volumes = self.volumes(targets, shape, hits, best_match)
+        volumes = self.volumes(targets, shape, hits, best_match, [q for _, _, q in loads])
+        balance = self.balance_weight * pressure
+        volume_scale = self.volume_weight * busy * prompt
+        decode_weight, stickiness = self.decode_weight, self.stickiness
+        seat_weight = self.seat_weight
         out = []
-        for t, hit, n, live, volume in zip(targets, hits, inflight, sessions, volumes, strict=True):
+        for t, hit, (n, live, queue), volume in zip(targets, hits, loads, volumes, strict=True):
             stranded = max(0, best_match - max(hit, shared))
-            # now (requests in flight) and the near future (sessions that keep coming back here)
-            excess = (
-                (n / mean_inflight - 1 if mean_inflight > 0 else 0.0)
-                + (live / mean_sessions - 1 if mean_sessions > 0 else 0.0)
-            ) / 2
-            out.append(
-                shape.prompt_tokens
-                - hit
-                + t.load.queued_prefill_tokens
-                + self.decode_weight * n
-                + self.stickiness * stranded
-                + rework * (best_match - hit)
-                + self.balance_weight * pressure * self.one_sided(excess, hit, shared, hot)
-                + self.seat_weight * self.beyond_seats(t, n)
-                + self.volume_weight * busy * shape.prompt_tokens * volume
-            )
-        return out
+            cost = prompt - hit + queue + decode_weight * n + stickiness * stranded
+            cost += rework * (best_match - hit)
+            if balance:
+                # now (requests in flight) and the near future (sessions that keep coming back)
+                excess = (
+                    (n / mean_inflight - 1 if mean_inflight > 0 else 0.0)
+                    + (live / mean_sessions - 1 if mean_sessions > 0 else 0.0)
+                ) / 2
+                cost += balance * self.one_sided(excess, hit, shared, hot)
+            seats = t.worker.max_num_seqs
+            if seats and n + 1 > seats:  # it waits for a running request to end
+                cost += seat_weight * (n + 1 - seats)
+            if volume:
+                cost += volume_scale * volume
+            out.append(cost)
+        return out, hits
 
     def volumes(
-        self, targets: list[Target], shape: RequestShape, hits: list[int], best_match: int
+        self,
+        targets: list[Target],
+        shape: RequestShape,
+        hits: list[int],
+        best_match: int,
+        queued: list[int] | None = None,
     ) -> list[float]:
         """Each target's volume excess as the volume term counts it (the term is ``volume_weight``
         x the prompt tokens x this). The targets free to take the request are those holding its
@@ -197,7 +224,8 @@ class CacheAware(Policy):
         if not excess or (best_match > 0 and sum(free) < 2):
             return [0.0] * len(targets)
         cap = self.volume_cap
-        queued = [t.load.queued_prefill_tokens for t in targets]
+        if queued is None:
+            queued = [t.load.queued_prefill_tokens for t in targets]
         shortest = min(q for q, f in zip(queued, free, strict=True) if f)
         out = []
         for t, q, f in zip(targets, queued, free, strict=True):
@@ -229,13 +257,6 @@ class CacheAware(Policy):
         return shape.prefix_share * len(hits) > holders
 
     @staticmethod
-    def beyond_seats(target: Target, inflight: int) -> int:
-        """How far past its engine's seats this request would be on ``target`` (0: it starts at
-        once, or the seats are not known)."""
-        seats = target.worker.max_num_seqs
-        return max(0, inflight + 1 - seats) if seats else 0
-
-    @staticmethod
     def one_sided(excess: float, hit: int, shared: int, hot: bool) -> float:
         """The balance term's excess, for a prefix that is not hot only where it argues against
         a copy: a holder keeps the pull of being less loaded than the mean, not the push of being
@@ -245,29 +266,32 @@ class CacheAware(Policy):
         return min(excess, 0.0) if hit >= shared else max(excess, 0.0)
 
     def choose(self, targets, shape, matched, shared_blocks=0):
-        costs = self.costs(targets, shape, matched, shared_blocks)
+        loads = self._loads(targets)
+        costs, hits = self._costs(targets, shape, matched, shared_blocks, loads)
         best = min(costs)
-        private = (
-            max(self.matched_tokens(t, shape, matched) for t in targets)
-            > shared_blocks * shape.block_tokens
-        )
+        private = max(hits) > shared_blocks * shape.block_tokens
         # A chat request with no private history anywhere starts a session: where it lands is
         # where its later turns go, so among targets nearly as cheap now, the least loaded lately
         # wins. A completion starts nothing: a shared prefix shorter than that wide band was
         # recomputed elsewhere for a balance it never bought (behind vLLM, 192-token prefixes one
         # request at a time: hits 0.75 of the oracle instead of 1.0)
         slack = self.new_session_slack if shape.chat and not private else self.slack
-        near = [t for c, t in zip(costs, targets, strict=True) if c <= best + slack]
+        near = [i for i, c in enumerate(costs) if c <= best + slack]
+        if len(near) == 1:
+            return targets[near[0]]
         warm = shape.warm  # set by the router on an idle fleet only
-        return min(
-            near,
-            key=lambda t: (
-                t.load.active_sessions() + t.load.inflight,
-                t.key not in warm,
-                t.load.recent_requests(),
-                self.rng.random(),
-            ),
-        )
+        rng = self.rng
+        return targets[
+            min(
+                near,
+                key=lambda i: (
+                    loads[i][1] + loads[i][0],
+                    targets[i].key not in warm,
+                    targets[i].load.recent_requests(),
+                    rng.random(),
+                ),
+            )
+        ]
 
 
 class DecodeLeg(Policy):

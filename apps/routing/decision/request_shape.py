@@ -125,12 +125,15 @@ def tenant_namespace(body: dict, adapter: str | None = None) -> int | None:
 
 
 def text_digests(text: str, parent: int | None = None) -> list[int]:
-    digests, parent = [], b"" if parent is None else parent.to_bytes(8, "little")
+    """The chained digests of ``text``'s whole 64-byte chunks (UTF-8): each chunk hashed with its
+    parent's digest as the seed (``parent``: the first chunk's, a tenant's namespace; 0 without)."""
+    digests: list[int] = []
     data = text.encode()
+    seed = parent or 0
+    digest, append = xxhash.xxh64_intdigest, digests.append
     for start in range(0, len(data) - CHUNK_CHARS + 1, CHUNK_CHARS):
-        value = xxhash.xxh64_intdigest(parent + data[start : start + CHUNK_CHARS])
-        digests.append(value)
-        parent = value.to_bytes(8, "little")
+        seed = digest(data[start : start + CHUNK_CHARS], seed)
+        append(seed)
     return digests
 
 
@@ -172,7 +175,7 @@ class RequestShape:
 
 
 async def tokenize_off_loop(
-    body: dict, chat: bool, tokenizer_paths, limit: int | None = None
+    body: dict, chat: bool, tokenizer_paths, limit=None
 ) -> dict[str, list[int] | None]:
     """The prompt's token ids for each of ``tokenizer_paths``, computed in worker threads when the
     prompt is long text (the tokenizer releases the GIL: the event loop keeps relaying streams
@@ -180,15 +183,20 @@ async def tokenize_off_loop(
     tokenizes inline). For ``shape_request``'s ``known_ids``. ``tokenizer_paths`` may be a
     function giving them: only a long prompt then pays for looking them up.
 
-    ``limit``: the most tokens any worker could take; ``TooManyTokens`` as soon as the prompt is
-    known to hold more. Without one, tokenizing stops at ``ROUTING_TOKEN_CAP`` all the same, and
-    the path's ids are None (the request is routed on its text)."""
-    if limit is not None:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) > limit and not chat:
+    ``limit``: the most tokens any worker could take (or a function giving it, called only for
+    a token-id prompt or a long one); ``TooManyTokens`` as soon as the prompt is known to hold
+    more. Without one, tokenizing stops at ``ROUTING_TOKEN_CAP`` all the same, and the path's ids
+    are None (the request is routed on its text)."""
+    prompt = body.get("prompt")
+    if not chat and isinstance(prompt, list):
+        if callable(limit):
+            limit = limit()
+        if limit is not None and len(prompt) > limit:
             prompt_token_ids(body, chat, None, limit)  # raises for a token-id prompt that long
     if prompt_text_chars(body, chat) < OFF_LOOP_CHARS:
         return {}
+    if callable(limit):
+        limit = limit()
     if callable(tokenizer_paths):
         tokenizer_paths = tokenizer_paths()
     out = {}

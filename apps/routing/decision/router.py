@@ -299,11 +299,10 @@ class Router:
             unit = unit or shape.block_tokens
             for t in members:
                 shapes[t.key] = shape
-            for key, blocks in self.index.match(shape.digests, [t.key for t in members]).items():
+            held, branch = self.index.lookup(shape.digests, [t.key for t in members])
+            for key, blocks in held.items():
                 matched[key] = min(blocks, shape.hittable_blocks) * shape.block_tokens // unit
-            shared = max(
-                shared, self.index.shared_blocks(shape.digests) * shape.block_tokens // unit
-            )
+            shared = max(shared, branch * shape.block_tokens // unit)
         return shapes, matched, shared
 
     def _shape(

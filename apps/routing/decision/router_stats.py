@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass, fields
 
 
@@ -50,10 +51,9 @@ class Histogram:
     def observe(self, value: float) -> None:
         self.count += 1
         self.sum += value
-        for i, bound in enumerate(self.buckets):
-            if value <= bound:
-                self.counts[i] += 1
-                break
+        i = bisect_left(self.buckets, value)  # the first bound >= value
+        if i < len(self.counts):
+            self.counts[i] += 1
 
     def cumulative(self) -> list[tuple[str, int]]:
         """[(le, count <= le)], ending with +Inf, as Prometheus exposes buckets."""
