@@ -48,7 +48,9 @@ def build_application(router, admission=None, django_http=django_asgi_app):
     async def websocket_app(scope, receive, send):
         return await websocket({**scope, SCOPE_KEY: live}, receive, send)
 
-    return ProtocolTypeRouter({"http": http_app, "websocket": websocket_app})
+    application = ProtocolTypeRouter({"http": http_app, "websocket": websocket_app})
+    application.proxy = proxy  # for a wrapper that sends ``PROXY_PATHS`` here itself
+    return application
 
 
 def __getattr__(name):

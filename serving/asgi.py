@@ -86,32 +86,11 @@ async def until_disconnect(work, receive, direct=None):
     cleanup then closes whatever it holds upstream) and returns None. Re-raises what ``work``
     raised. ``work`` runs in the calling task (one task less a request than running it beside
     the watcher); the watcher cancels that task when the client goes. With ``direct`` (the
-    server's ``DIRECT_BODY``) the server tells of the client leaving itself: no watcher task."""
+    server's ``DIRECT_BODY``) the server tells of the client leaving itself: no watcher task
+    (and no coroutine between this one and ``work``: the hot path)."""
     current = asyncio.current_task()
-    if direct is not None:
-        return await _until_lost(work, direct, current)
-    gone = False
-
-    async def watch():
-        nonlocal gone
-        while (await receive())["type"] != "http.disconnect":
-            pass
-        gone = True
-        current.cancel()
-
-    watcher = asyncio.ensure_future(watch())
-    try:
-        return await work
-    except asyncio.CancelledError:
-        if not gone:
-            raise
-        current.uncancel()  # the client's leaving ends the work, not the request's handler
-        return None
-    finally:
-        watcher.cancel()
-
-
-async def _until_lost(work, direct, current):
+    if direct is None:
+        return await _until_received(work, receive, current)
     if direct.disconnected:  # gone already
         work.close()
         return None
@@ -128,10 +107,33 @@ async def _until_lost(work, direct, current):
     except asyncio.CancelledError:
         if not gone:
             raise
-        current.uncancel()
+        current.uncancel()  # the client's leaving ends the work, not the request's handler
         return None
     finally:
         direct.on_lost = None
+
+
+async def _until_received(work, receive, current):
+    """``until_disconnect`` where the server tells of a disconnect only through ``receive``."""
+    gone = False
+
+    async def watch():
+        nonlocal gone
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        gone = True
+        current.cancel()
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        return await work
+    except asyncio.CancelledError:
+        if not gone:
+            raise
+        current.uncancel()
+        return None
+    finally:
+        watcher.cancel()
 
 
 async def send_body(

@@ -129,12 +129,17 @@ class DirectBody:
         if cycle.response_started or cycle.disconnected or cycle.scope["method"] == "HEAD":
             return False
         content = [STATUS_LINE[status]]
+        names, values = [], []
         for name, value in (*cycle.default_headers, (b"content-type", content_type), *headers):
-            if HEADER_RE.search(name) or HEADER_VALUE_RE.search(value):
-                return False
             if name.lower() in _FRAMING:
                 return False
+            names.append(name)
+            values.append(value)
             content += (name, b": ", value, b"\r\n")
+        # uvicorn's checks of each name and value, as one search each: a tab may be in a value,
+        # not in a name, so the values are searched joined by tabs and the names by nothing
+        if HEADER_RE.search(b"".join(names)) or HEADER_VALUE_RE.search(b"\t".join(values)):
+            return False
         if not cycle.keep_alive:
             content.append(b"connection: close\r\n")
         content += (b"content-length: %d\r\n\r\n" % len(body), body)

@@ -376,12 +376,13 @@ def _with_static(application, handler):
     from apps.routing.proxy.endpoint import PATHS
 
     http_app = application.application_mapping["http"]
+    proxy = getattr(application, "proxy", http_app)  # the endpoint itself: one call less
     static_http = handler(http_app)
 
     async def app(scope, receive, send):
         if scope["type"] == "http":
             if scope["path"] in PATHS:
-                return await http_app(scope, receive, send)
+                return await proxy(scope, receive, send)
             return await static_http(scope, receive, send)
         return await application(scope, receive, send)
 

@@ -121,9 +121,13 @@ async def proxy_request(
     if path not in CACHED_PATHS:  # embeddings, scoring: routed by load, passed through as sent
         await _attempts(router, body, chat, path, send, model, rank, session, since, {})
         return
+
     # a long text prompt is tokenized once, in worker threads, for every attempt; no further
     # than the longest context of the workers that could serve it (apps/routing/proxy/limits.py)
-    limit = limits.prompt_limit(router.fleet.candidates(model) or router.fleet.candidates(None))
+    def limit():  # read only for a long prompt or one of token ids
+        fleet = router.fleet
+        return limits.prompt_limit(fleet.candidates(model) or fleet.candidates(None))
+
     try:
         ids_by_path = await tokenize_off_loop(
             body, chat, lambda: router.tokenizer_paths(model), limit
