@@ -160,9 +160,7 @@ class IndexSync(DispatchObserver):
             if counts == last and now - last_at < LOAD_HEARTBEAT_S:
                 continue
             try:
-                await client.publish(
-                    self.channel, encode({"from": self.origin, "load": snapshot})
-                )
+                await client.publish(self.channel, encode({"from": self.origin, "load": snapshot}))
                 last, last_at = counts, now
                 self.load_published += 1
             except asyncio.CancelledError:
