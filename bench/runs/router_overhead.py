@@ -13,9 +13,13 @@ and requests/s; goals: <= 1 ms added p50 over direct, >= 0.5x sglang-router's re
         [--processes N]         # also N cache_aware router processes sharing index and load through
                                 # Redis (--redis-url) and one database, each driven by its own wrk
                                 # with connections/N; reported as their sum
+        [--workers N]           # also one runrouter --workers N (needs Redis)
+        [--bare]                # also a bare proxy on the router's own server stack and HTTP client
+                                # (harness/bare_proxy.py: no JSON, no decision): the stack's floor
 
-Only one server under test runs at a time (the stand-in runs throughout). Needs ``wrk`` on PATH;
-``--profile`` needs ``py-spy``.
+Each server under test also reports its CPU per request (user + system of its process tree
+over a wrk run, over the requests it served). Only one server under test runs at a time (the
+stand-in runs throughout). Needs ``wrk`` on PATH; ``--profile`` needs ``py-spy``.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import httpx
 
 if __package__ in (None, ""):  # run as a script: python bench/runs/router_overhead.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from bench.runs.routers_at_fleet_scale import cpu_seconds  # noqa: E402
 from harness.procs import REPO_ROOT as REPO
 from harness.procs import free_port, router_command, sglang_router_command, start  # noqa: E402  # noqa: E402
 
@@ -120,10 +125,11 @@ def check_once(url: str) -> None:
 def report(name: str, connections: int, r: dict) -> dict:
     """Print one measurement's line and return it labelled."""
     r.update(target=name, connections=connections)
+    cpu = f"  CPU {r['cpu_us']:6.1f} us/req" if r.get("cpu_us") is not None else ""
     print(
         f"{name:28s} c={connections:<3d} p50 {r['p50_us'] / 1000:7.2f} ms  "
         f"p99 {r['p99_us'] / 1000:7.2f} ms  "
-        f"{r['rps']:8.0f} req/s  errors {r['errors']} non-2xx {r['non_2xx']}",
+        f"{r['rps']:8.0f} req/s{cpu}  errors {r['errors']} non-2xx {r['non_2xx']}",
         flush=True,
     )
     return r
@@ -136,7 +142,10 @@ def measure(
     script: Path,
     results: list,
     profile_pid: int | None = None,
+    pid: int | None = None,
 ) -> None:
+    """wrk against ``url`` at each connection count; ``pid``: the server's process, whose tree's
+    CPU per request is reported."""
     urls = [url] if isinstance(url, str) else url
     for one in urls:
         check_once(one)
@@ -172,7 +181,10 @@ def measure(
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             )
+        cpu = cpu_seconds(pid) if pid else None
         r = wrk(url, c, args.duration, script)
+        if cpu is not None:
+            r["cpu_us"] = 1e6 * (cpu_seconds(pid) - cpu) / max(1, r["requests"])
         if spy:
             spy.wait(60)
         results.append(report(name, c, r))
@@ -206,6 +218,8 @@ def run(args) -> list[dict]:
             measure_processes(args, standin_url, tmp, script, results)
         if args.workers > 1:
             measure_workers(args, standin_url, tmp, script, results)
+        if args.bare:
+            measure_bare(args, standin_url, tmp, script, results)
         measure_sglang(args, standin_url, tmp, script, results)
     return results
 
@@ -222,8 +236,8 @@ def measure_ours(args, standin_url: str, tmp: Path, script: Path, results: list)
             log = tmp / f"router-{policy}-{name}.log"
             label = f"dpmesh router {policy}" + (f" ({name})" if len(args.servers) > 1 else "")
             with server(cmd, url + "/health", log, env=env) as proc:
-                pid = proc.pid if args.profile else None
-                measure(label, url, args, script, results, profile_pid=pid)
+                spied = proc.pid if args.profile else None
+                measure(label, url, args, script, results, profile_pid=spied, pid=proc.pid)
     if args.tokenizer_path:
         port = free_port()
         cmd = router_command(
@@ -244,8 +258,8 @@ def measure_sglang(args, standin_url: str, tmp: Path, script: Path, results: lis
         port = free_port()
         cmd = sglang_router_command(standin_url, port=port, policy=policy, exe=exe)
         url = f"http://127.0.0.1:{port}"
-        with server(cmd, url + "/health", tmp / f"sglang-{policy}.log"):
-            measure(f"sglang-router {policy}", url, args, script, results)
+        with server(cmd, url + "/health", tmp / f"sglang-{policy}.log") as proc:
+            measure(f"sglang-router {policy}", url, args, script, results, pid=proc.pid)
 
 
 def measure_workers(args, standin_url: str, tmp: Path, script: Path, results: list) -> None:
@@ -263,8 +277,19 @@ def measure_workers(args, standin_url: str, tmp: Path, script: Path, results: li
         standin_url, "--workers", str(args.workers), port=port, policy="cache_aware"
     )
     url = f"http://127.0.0.1:{port}"
-    with server(cmd, url + "/health", tmp / "router-workers.log", env=env):
-        measure(f"dpmesh router cache_aware --workers {args.workers}", url, args, script, results)
+    label = f"dpmesh router cache_aware --workers {args.workers}"
+    with server(cmd, url + "/health", tmp / "router-workers.log", env=env) as proc:
+        measure(label, url, args, script, results, pid=proc.pid)  # the workers are its children
+
+
+def measure_bare(args, standin_url: str, tmp: Path, script: Path, results: list) -> None:
+    """harness/bare_proxy.py: the router's server stack and HTTP client, none of its work."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "harness.bare_proxy", "--port", str(port),
+           "--upstream", standin_url]  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    with server(cmd, url + "/health", tmp / "bare.log", env={"PYTHONPATH": str(REPO)}) as proc:
+        measure("bare proxy (router's stack)", url, args, script, results, pid=proc.pid)
 
 
 def measure_processes(args, standin_url: str, tmp: Path, script: Path, results: list) -> None:
@@ -300,21 +325,31 @@ def measure_processes(args, standin_url: str, tmp: Path, script: Path, results: 
 
 
 def summary(results: list[dict]) -> str:
-    """A markdown table with the added p50 over direct and the throughput ratio to sglang-router."""
+    """A markdown table with the added p50 over direct, the throughput and CPU ratios to
+    sglang-router (its cache_aware run, else its round_robin one)."""
     direct = {r["connections"]: r for r in results if r["target"].startswith("direct")}
-    sglang = {r["connections"]: r for r in results if r["target"] == "sglang-router round_robin"}
+    sglang = {}
+    for policy in ("round_robin", "cache_aware"):  # cache_aware wins where both ran
+        sglang.update(
+            {r["connections"]: r for r in results if r["target"] == f"sglang-router {policy}"}
+        )
     lines = [
-        "| target | conns | p50 ms | p99 ms | req/s | added p50 ms | req/s vs sglang-router rr |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| target | conns | p50 ms | p99 ms | req/s | added p50 ms | req/s vs sglang-router "
+        "| CPU us/req | CPU vs sglang-router |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    nan = float("nan")
     for r in results:
         c = r["connections"]
-        added = (r["p50_us"] - direct[c]["p50_us"]) / 1000 if c in direct else float("nan")
-        ratio = r["rps"] / sglang[c]["rps"] if c in sglang else float("nan")
+        added = (r["p50_us"] - direct[c]["p50_us"]) / 1000 if c in direct else nan
+        ratio = r["rps"] / sglang[c]["rps"] if c in sglang else nan
+        cpu = r.get("cpu_us")
+        theirs = sglang[c].get("cpu_us") if c in sglang else None
+        cpu_ratio = cpu / theirs if cpu is not None and theirs else nan
         lines.append(
             f"| {r['target']} | {c} | {r['p50_us'] / 1000:.2f} | {r['p99_us'] / 1000:.2f} "
-            f"| {r['rps']:.0f} "
-            f"| {added:+.2f} | {ratio:.2f}x |"
+            f"| {r['rps']:.0f} | {added:+.2f} | {ratio:.2f}x "
+            f"| {'' if cpu is None else f'{cpu:.1f}'} | {cpu_ratio:.2f}x |"
         )
     return "\n".join(lines)
 
@@ -346,6 +381,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--database-url", help="for --processes (default: a shared SQLite file)")
     parser.add_argument(
         "--workers", type=int, default=1, help="also one runrouter --workers N (needs Redis)"
+    )
+    parser.add_argument(
+        "--bare",
+        action="store_true",
+        help="also a bare proxy on the router's own stack (harness/bare_proxy.py): its floor",
     )
     parser.add_argument("--json", help="write the raw results here")
     parser.add_argument(
