@@ -19,6 +19,7 @@ import pytest
 
 from apps.routing.decision.config import RouterConfig
 from apps.routing.decision.router import Router
+from apps.routing.feeds import shared_index
 from apps.routing.feeds.shared_index import LOAD_TTL_S, IndexSync
 from harness.procs import free_port, router_command, start, start_engine, wait_for
 from harness.standin import Behaviour, StandIn
@@ -50,6 +51,10 @@ def test_apply_takes_other_processes_inserts_for_known_targets_only():
     sync = IndexSync(router, "redis://unused")
     own = json.dumps({"from": sync.origin, "inserts": [["http://w1@0", [1, 2]]]})
     assert sync.apply(own) == 0 and router.index.size("http://w1@0") == 0  # its own echo
+    # as it arrives from Redis (what it published itself): skipped before parsing
+    echo = shared_index.encode({"from": sync.origin, "inserts": [["http://w1@0", [1, 2]]]})
+    assert echo.startswith(sync._own) and sync.apply(echo) == 0
+    assert router.index.size("http://w1@0") == 0
     other = json.dumps(
         {
             "from": "elsewhere",
