@@ -372,11 +372,11 @@ def serve_workers(opts: dict, workers: int, server: str, on_ready=None) -> None:
 
 def _with_static(application, handler):
     """Serve the admin's and dashboard's static files from the app itself (no CDN, no nginx).
-    The OpenAI paths go straight to the application: no static file is under them."""
+    The OpenAI paths go straight to the endpoint: no static file is under them."""
     from apps.routing.proxy.endpoint import PATHS
 
     http_app = application.application_mapping["http"]
-    proxy = getattr(application, "proxy", http_app)  # the endpoint itself: one call less
+    proxy = application.proxy  # the OpenAI endpoint itself: one call less a request
     static_http = handler(http_app)
 
     async def app(scope, receive, send):
