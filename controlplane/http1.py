@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 from collections import deque
+from collections.abc import Callable
 from functools import lru_cache
 from urllib.parse import urlsplit
 
@@ -341,9 +342,18 @@ class Pool:
         *,
         connect_timeout_s: float | None,
         read_timeout_s: float | None,
+        sent: Callable[[], None] | None = None,
     ) -> Response:
+        """POST ``body`` and wait for the answer's head. ``sent``: called once the request is
+        written (before a new connection is waited for, where none is idle: the caller's work
+        never waits on a connect), so the caller's own work overlaps the upstream's."""
         key, start = _split(url)
-        conn = self._take_idle(key) or await self._connect(key, connect_timeout_s)
+        conn = self._take_idle(key)
+        if conn is None:
+            if sent is not None:
+                sent, then = None, sent
+                then()
+            conn = await self._connect(key, connect_timeout_s)
         conn._reset()
         head = [start]
         for name, value in headers.items():
@@ -355,6 +365,8 @@ class Pool:
                 conn.transport.write(request + body)
             else:
                 conn.transport.writelines((request, body))
+            if sent is not None:
+                sent()
             while not conn.headers_done:
                 if conn.error is not None:
                     raise conn.error

@@ -56,7 +56,8 @@ class Dispatch:
     """A request sent to ``target``: what the index predicted, its load ticket, its timing."""
 
     __slots__ = ("target", "shape", "predicted_tokens", "ticket", "trial", "started", "_stats",
-                 "_observers", "_timing", "_clock", "plan", "_misses", "_explained")  # fmt: skip
+                 "_observers", "_timing", "_clock", "plan", "_misses", "_explained",
+                 "pending")  # fmt: skip
 
     def __init__(
         self,
@@ -84,6 +85,23 @@ class Dispatch:
         # (apps/routing/decision/misses.py); None where it predicts nothing (a passthrough path)
         self.plan, self._misses = plan, misses
         self._explained: tuple | None = None
+        # the rest of the router's commit, where it was left for after the send
+        # (``Router.route(settle_later=True)``); ``settle`` runs it, once
+        self.pending = None
+
+    def settle(self) -> None:
+        """Finish the router's commit (the index, the observers, the stats, the miss plan), if
+        it was left for later; idempotent. Every end of the dispatch settles it first."""
+        pending = self.pending
+        if pending is not None:
+            self.pending = None
+            pending()
+
+    @property
+    def explains(self) -> bool:
+        """Whether the router names the reasons of this request's misses (it predicts where its
+        prompt is cached: not a passthrough path, not a decode leg)."""
+        return self._misses is not None
 
     @property
     def prefill_tokens(self) -> int:
@@ -98,6 +116,7 @@ class Dispatch:
         """The first token arrived (idempotent; a no-op once finished)."""
         if self.ticket.prefilled:
             return
+        self.settle()
         self.target.load.first_token(self.ticket)
         self._tell_prefilled()
         seconds = self._clock() - self.started
@@ -111,6 +130,7 @@ class Dispatch:
         """Tokens per reason for the prompt tokens the engine computed (its ``usage`` says how
         many it had cached; without them: the reasons expected if it had what the router
         predicted). None where the router predicts nothing. Worked out once per usage."""
+        self.settle()
         if self.plan is None or self._misses is None:
             return None
         cached = cached_of(usage)
@@ -127,6 +147,7 @@ class Dispatch:
         ``aborted``: the client left first (not the target's error)."""
         if self.ticket.ended:
             return
+        self.settle()
         if not self.ticket.prefilled:
             self._tell_prefilled()
         self.target.load.end(self.ticket)

@@ -97,6 +97,7 @@ class Router:
         role: str | None = None,
         path: str | None = None,
         predict: bool = True,
+        settle_later: bool = False,
     ) -> Dispatch:
         """Choose a target and commit: begin its load, insert the request's blocks into the index
         for it (the engine caches them as it prefills), tell the observers. The returned dispatch
@@ -109,7 +110,14 @@ class Router:
         the rank pin (``WorkerView.pin_check``), the placement is not believed: no hit is
         predicted and the index learns nothing from it; nor with ``predict`` False (the engine's
         prompt is not the one the router sees: a Responses continuation, whose earlier turns are
-        in the engine's store)."""
+        in the engine's store).
+
+        ``settle_later``: the choice and its load are committed here, the rest (the index insert,
+        the observers, the stats, the session, the miss plan) by the dispatch's ``settle``, which
+        the proxy calls right after it wrote the request to the engine (``http1.Pool.post``'s
+        ``sent``): the engine starts on it that much sooner, and the bookkeeping runs while the
+        router waits for the answer. Nothing runs between the two but that write (no other
+        request is routed in between), and a dispatch that ends first settles first."""
 
         def allowed(t: Target) -> bool:
             return t.key not in exclude and (rank is None or t.rank == rank)
@@ -144,8 +152,6 @@ class Router:
         target = home or policy.choose(candidates, primary, matched, shared)
         if home is None and self.config.time_check and policy.name == "cache_aware":
             target = self._quicker(target, candidates, shapes, matched, primary)
-        if session:
-            self.sessions.record(session, target.key, kept=home is not None)
         shape = shapes[target.key]
         path = path or ("/v1/chat/completions" if chat else "/v1/completions")
         placed = (
@@ -154,15 +160,8 @@ class Router:
             and (target.rank is None or target.worker.pin_check.get(path, True))
         )
         predicted = self._cached_tokens(target, shape, matched, primary) if placed else 0
-        plan = None
-        if predict and path in CACHED_PATHS and role != "decode":  # a decode leg computes no prompt
-            plan = self._miss_plan(target, candidates, shapes, matched, primary, predicted,
-                                   placed, session, model if rank is not None else None,
-                                   role)  # fmt: skip
         if not placed:  # the engine picks the rank: its blocks are nowhere the index could say
             shape = RequestShape([], shape.prompt_tokens, shape.block_tokens, shape.chat)
-            if plan is not None:
-                plan.shape = shape
         # A session's turn: its private history is already there (it continues), or a chat request
         # with none anywhere (a conversation starts here and its next turns will follow). Counting
         # starts at once matters: a burst of new conversations is placed before any of them has a
@@ -175,12 +174,9 @@ class Router:
         ticket = target.load.begin(
             shape.prompt_tokens, shape.prompt_tokens - predicted, continues or chat
         )
-        self.index.insert(target.key, shape.digests)
-        self.volume.add(target.key, shape.prompt_tokens)
-        for observer in self.observers:
-            observer.routed(target.key, shape.digests)
-        self.stats.dispatched(target.key, shape.prompt_tokens, predicted)
-        return Dispatch(
+        # a decode leg computes no prompt: nothing to explain
+        explains = predict and path in CACHED_PATHS and role != "decode"
+        dispatch = Dispatch(
             target,
             shape,
             predicted,
@@ -190,9 +186,29 @@ class Router:
             observers=self.observers,
             timing=sample,
             clock=self.clock,
-            plan=plan,
-            misses=self.misses,
+            misses=self.misses if explains else None,
         )
+
+        def settle() -> None:
+            if explains:
+                pinned = model if rank is not None else None
+                plan = self._miss_plan(target, candidates, shapes, matched, primary, predicted,
+                                       placed, session, pinned, role)  # fmt: skip
+                plan.shape = shape
+                dispatch.plan = plan
+            if session:
+                self.sessions.record(session, target.key, kept=home is not None)
+            self.index.insert(target.key, shape.digests)
+            self.volume.add(target.key, shape.prompt_tokens)
+            for observer in self.observers:
+                observer.routed(target.key, shape.digests)
+            self.stats.dispatched(target.key, shape.prompt_tokens, predicted)
+
+        if settle_later:
+            dispatch.pending = settle
+        else:
+            settle()
+        return dispatch
 
     def _miss_plan(self, target, candidates, shapes, matched, primary, predicted, placed,
                    session, pinned_model=None, role=None) -> MissPlan:  # fmt: skip

@@ -192,6 +192,7 @@ async def _attempts(router, body, chat, path, send, model, rank, session, since,
                     ids_by_path=ids_by_path,
                     path=path,
                     predict=predict,
+                    settle_later=True,  # settled once the request is written (_attempt)
                 )
                 if span is not None:
                     span.set_attributes({
@@ -257,6 +258,7 @@ async def _attempt(
                 wire.upstream_headers(dispatch),
                 connect_timeout_s=config.connect_timeout_s,
                 read_timeout_s=config.request_timeout_s,
+                sent=dispatch.settle,
             )
         except http1.ConnectTimeout as exc:
             ending.unreachable = True

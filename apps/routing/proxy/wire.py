@@ -72,7 +72,7 @@ def upstream_headers(dispatch: Dispatch) -> dict:
     }
     if dispatch.target.rank is not None:
         headers["x-data-parallel-rank"] = str(dispatch.target.rank)
-    if dispatch.plan is not None:  # the engine counts what it had against it (issue 27)
+    if dispatch.explains:  # the engine counts what it had against it (issue 27)
         headers[PREDICTED_HEADER] = str(dispatch.predicted_tokens)
     if tracing.TRACER is not None:  # the attempt's span is the engine's request's parent
         tracing.inject(headers)
