@@ -92,6 +92,23 @@ def test_the_usage_of_a_stream_event(event, usage):
     assert usage_of(event) == usage
 
 
+@pytest.mark.parametrize(
+    "content, usage",
+    [
+        (b'{"choices": [{"text": "a", "logprobs": {"tokens": ["a"]}}],'
+         b' "usage": {"prompt_tokens": 3, "prompt_tokens_details": {"cached_tokens": 2}}}',
+         {"prompt_tokens": 3, "prompt_tokens_details": {"cached_tokens": 2}}),
+        (b'{"choices": [], "usage": null}', None),
+        (b'{"choices": []}', None),
+        (b'{"usage": [1, 2]}', None),
+        (b'[{"usage": {"prompt_tokens": 3}}]', None),
+        (b"<html>busy</html>", None),
+    ],
+)  # fmt: skip
+def test_the_usage_of_an_answer_read_whole(content, usage):
+    assert wire.usage_from_body(content) == usage
+
+
 def test_ids_go_beside_the_text_only_when_made_with_the_engines_own_tokenizer(tmp_path):
     """With ``--tokenizer-path`` the router digests prompts with its own tokenizer; its ids must
     not replace the engine's encoding, which may differ (another prompt to the engine)."""
