@@ -75,6 +75,28 @@ def test_route_commits_load_and_index_and_the_repeat_is_predicted(tiny_path, cha
     assert load.idle
 
 
+def test_a_dispatch_settled_later_commits_its_load_now_and_the_rest_at_settle(tiny_path):
+    """The proxy's way (``settle_later``): the choice and its load at once, the index, stats and
+    miss plan when the request is written upstream (``settle``), or at its end if it never is."""
+    router = make_router(tiny_path, workers=((1, "tiny", 1),))
+    sent = router.route(CHAT, True, "tiny", settle_later=True)
+    key = sent.target.key
+    assert sent.target.load.requests == 1 and sent.explains and sent.plan is None
+    assert router.index.match(sent.shape.digests) == {} and key not in router.stats.targets
+    sent.settle()
+    assert router.index.match(sent.shape.digests) == {key: 2} and sent.plan is not None
+    assert router.stats.targets[key].requests == 1
+    sent.settle()  # once only
+    assert router.stats.targets[key].requests == 1
+    sent.finish(ok=True)
+
+    never = router.route({"prompt": "another prompt of its own " * 8}, False, "tiny",
+                         settle_later=True)  # fmt: skip
+    never.unreachable()  # refused before anything was written: its end settles it
+    assert router.index.match(never.shape.digests) == {key: len(never.shape.digests)}
+    assert never.target.load.idle and router.stats.targets[key].requests == 2
+
+
 def test_a_long_cached_prompt_returns_home(tiny_path):
     router = make_router(tiny_path)
     body = {"prompt": [(11 * i) % 4000 for i in range(600)]}  # 37 full blocks
