@@ -71,7 +71,6 @@ class Dispatch:
         observers: list[DispatchObserver],
         timing: TimingSample | None = None,
         clock=time.perf_counter,
-        plan: MissPlan | None = None,
         misses: MissReasons | None = None,
     ):
         self.target, self.shape, self.predicted_tokens = target, shape, predicted_tokens
@@ -82,8 +81,10 @@ class Dispatch:
         self._stats, self._observers = stats, observers
         self._timing = timing  # the router's time model learns from this request's first token
         # what the router knew, to name the reason of every prompt token the engine computed
-        # (apps/routing/decision/misses.py); None where it predicts nothing (a passthrough path)
-        self.plan, self._misses = plan, misses
+        # (apps/routing/decision/misses.py): the plan is the router's commit's to set (``settle``);
+        # both None where it predicts nothing (a passthrough path, a decode leg)
+        self.plan: MissPlan | None = None
+        self._misses = misses
         self._explained: tuple | None = None
         # the rest of the router's commit, where it was left for after the send
         # (``Router.route(settle_later=True)``); ``settle`` runs it, once
