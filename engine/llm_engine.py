@@ -132,7 +132,9 @@ class LLMEngine:
         hold_key: str | None = None,
         cached_tokens: int | None = None,
     ) -> Sequence:
-        """Queue a request. Raises ValueError (nothing queued) for an empty or too long prompt,
+        """Queue a request (a text ``prompt`` is encoded with the tokenizer's special tokens, as
+        vLLM's ``LLM.generate`` encodes it). Raises ValueError (nothing queued) for an empty or
+        too long prompt,
         a duplicate id, or a prompt that could never fit the KV pool. ``hold_key``: a prefill for
         a remote decode, whose prompt blocks stay held under that key when it ends (``held``;
         the key is the request id for vLLM's protocol, the bootstrap room for SGLang's);
@@ -142,11 +144,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already running")
         if hold_key is not None and (hold_key in self.held or self._holding(hold_key)):
             raise ValueError(f"KV is already held under {hold_key!r}")
-        ids = (
-            self.tokenizer.encode(prompt, add_special_tokens=False)
-            if isinstance(prompt, str)
-            else list(prompt)
-        )
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._validate(ids, params)
         seq = Sequence(ids, params, request_id=request_id, block_size=self.config.block_size)
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)

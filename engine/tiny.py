@@ -36,6 +36,7 @@ import argparse
 import contextlib
 import fcntl
 import gzip
+import json
 import logging
 import os
 import shutil
@@ -94,6 +95,51 @@ def ensure_tiny_model(cache_dir: str | os.PathLike | None = None) -> Path:
     exactly one builds, the rest block on the lock and then return the finished directory.
     """
     return _ensure(cache_dir)[0]
+
+
+def ensure_tiny_bos_model(cache_dir: str | os.PathLike | None = None) -> Path:
+    """The tiny model with a tokenizer that, as Llama's do, puts its BOS (``<|endoftext|>``)
+    before every text it encodes with special tokens: ``tokenizer(text).input_ids`` is
+    ``[0] + tokenizer.encode(text, add_special_tokens=False)``. The same weights and chat template;
+    built from :func:`ensure_tiny_model` into ``<cache_dir>/tiny-llama-<version>-bos``. For the
+    tests where an engine adds the BOS (vLLM, SGLang and ours add it to a completion's text
+    prompt, not to a chat's templated one), and the router must digest what the engine
+    prefills."""
+    base = ensure_tiny_model(cache_dir)
+    name = f"tiny-llama-{TINY_MODEL_VERSION}-bos"
+    return build_once(cache_dir, name, _REQUIRED_FILES, lambda out: _add_bos(base, out))[0]
+
+
+def _add_bos(base: Path, out: Path) -> None:
+    for child in base.iterdir():
+        shutil.copyfile(child, out / child.name)
+    path = out / "tokenizer.json"
+    spec = json.loads(path.read_text())
+    bos = {"id": BOS_TOKEN, "type_id": 0}
+    spec["post_processor"] = {
+        "type": "Sequence",
+        "processors": [
+            spec["post_processor"],
+            {
+                "type": "TemplateProcessing",
+                "single": [{"SpecialToken": bos}, {"Sequence": {"id": "A", "type_id": 0}}],
+                "pair": [
+                    {"SpecialToken": bos},
+                    {"Sequence": {"id": "A", "type_id": 0}},
+                    {"SpecialToken": {"id": BOS_TOKEN, "type_id": 1}},
+                    {"Sequence": {"id": "B", "type_id": 1}},
+                ],
+                "special_tokens": {
+                    BOS_TOKEN: {
+                        "id": BOS_TOKEN,
+                        "ids": [SPECIAL_TOKENS.index(BOS_TOKEN)],
+                        "tokens": [BOS_TOKEN],
+                    }
+                },
+            },
+        ],
+    }
+    path.write_text(json.dumps(spec, ensure_ascii=False))
 
 
 def resolve_model_path(model: str) -> str:

@@ -187,15 +187,60 @@ class TooManyTokens(ValueError):
         self.at_least, self.limit = at_least, limit
 
 
-def encode_text(tokenizer, text: str, limit: int | None = None) -> list[int]:
-    """``tokenizer.encode(text, add_special_tokens=False)``; a long text through the tokenizer's
-    prefix token cache. With ``limit``: ``TooManyTokens`` as soon as the text is known to hold
-    more than ``limit`` tokens, at a cost bounded by the limit, not by the text (``_bounded``)."""
+def encode_text(tokenizer, text: str, limit: int | None = None, special: bool = False) -> list[int]:
+    """``tokenizer.encode(text, add_special_tokens=special)``; a long text through the
+    tokenizer's prefix token cache. With ``limit``: ``TooManyTokens`` as soon as the text is known
+    to hold more than ``limit`` tokens, at a cost bounded by the limit, not by the text
+    (``_bounded``). ``special``: what the tokenizer's post-processor adds around a text (a
+    Llama's BOS), as vLLM, SGLang and our engine add it to a completion's text prompt."""
+    if special:
+        around = special_tokens_around(tokenizer)
+        if around is None:  # a post-processor that does more than add tokens: encode it whole
+            ids = tokenizer.encode(text, add_special_tokens=True)
+            if limit is not None and len(ids) > limit:
+                raise TooManyTokens(len(ids), limit)
+            return ids
+        head, tail = around
+        if head or tail:
+            extra = len(head) + len(tail)
+            try:
+                ids = encode_text(tokenizer, text, None if limit is None else limit - extra)
+            except TooManyTokens as exc:
+                raise TooManyTokens(max(exc.at_least + extra, limit + 1), limit) from None
+            return [*head, *ids, *tail]
     # a character is at most 4 UTF-8 bytes and a token at least one: up to limit / 4 characters
     # cannot be too many
     if limit is not None and len(text) > limit // 4:
         return _bounded(tokenizer, text, limit)
     return _encode(tokenizer, text)
+
+
+_AROUND: dict[int, tuple[object, tuple[list[int], list[int]] | None]] = {}
+
+
+def special_tokens_around(tokenizer) -> tuple[list[int], list[int]] | None:
+    """The ids the tokenizer's post-processor puts before and after a text it encodes with special
+    tokens (``[bos]``, ``[]`` for a Llama; ``[]``, ``[]`` for most others), found once per
+    tokenizer from two probes; None when its output is not the plain encoding with tokens
+    around it."""
+    known = _AROUND.get(id(tokenizer))
+    if known is not None and known[0] is tokenizer:
+        return known[1]
+    around = None
+    for probe in ("hello world", " Two probes, 2 lengths: the same tokens around each."):
+        plain = tokenizer.encode(probe, add_special_tokens=False)
+        full = tokenizer.encode(probe, add_special_tokens=True)
+        at = next(
+            (i for i in range(len(full) - len(plain) + 1) if full[i : i + len(plain)] == plain),
+            None,
+        )
+        found = None if at is None or not plain else (full[:at], full[at + len(plain) :])
+        if found is None or (around is not None and found != around):
+            around = None
+            break
+        around = found
+    _AROUND[id(tokenizer)] = (tokenizer, around)
+    return around
 
 
 def _encode(tokenizer, text: str) -> list[int]:

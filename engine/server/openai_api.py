@@ -58,6 +58,13 @@ def _opt(body: dict, key: str, check, what: str, default=None):
     return value
 
 
+def add_special_tokens(body: dict, default: bool) -> bool:
+    """vLLM's ``add_special_tokens``: whether a text prompt is encoded with the tokenizer's
+    special tokens (true by default for a completion or an embedding's input, false for a chat,
+    whose template writes its own)."""
+    return _opt(body, "add_special_tokens", lambda v: isinstance(v, bool), "a boolean", default)
+
+
 def _unsupported(body: dict) -> None:
     if body.get("n") not in (None, 1):
         raise APIError(400, "only n=1 is supported", param="n")
@@ -116,12 +123,15 @@ def completion_prompt(
     body: dict, tokenizer, vocab_size: int, given: list[int] | None = None, limit: int | None = None
 ) -> list[int]:
     """``given``: the text prompt's token ids, already computed (``PRETOKENIZED``); ``limit``:
-    encoding stops, ``TooManyTokens``, once the prompt is known to be longer."""
+    encoding stops, ``TooManyTokens``, once the prompt is known to be longer. A text is encoded
+    with the tokenizer's special tokens (a Llama's BOS) unless ``add_special_tokens`` is false,
+    as vLLM does."""
+    special = add_special_tokens(body, True)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str) and prompt:
-        return given if given is not None else encode_text(tokenizer, prompt, limit)
+        return given if given is not None else encode_text(tokenizer, prompt, limit, special)
     if isinstance(prompt, list) and prompt and all(map(is_int, prompt)):
         if not all(0 <= t < vocab_size for t in prompt):
             raise APIError(400, f"prompt token ids must be in [0, {vocab_size})", param="prompt")
@@ -174,8 +184,11 @@ def chat_prompt(
     body: dict, tokenizer, given: list[int] | None = None, limit: int | None = None
 ) -> list[int]:
     """Token ids of the chat exactly as the model sees it: its chat template with the
-    generation prompt, then encoded without extra special tokens. The router digests the same
-    (and sends them: ``given``, which replaces the encoding once the messages are checked)."""
+    generation prompt, then encoded without extra special tokens (the template writes them;
+    ``add_special_tokens: true`` adds the tokenizer's too, as vLLM does). The router digests the
+    same (and sends them: ``given``, which replaces the encoding once the messages are
+    checked)."""
+    special = add_special_tokens(body, False)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "'messages' must be a non-empty list", param="messages")
@@ -191,7 +204,7 @@ def chat_prompt(
     if given is not None:
         return given
     text = tokenizer.apply_chat_template(clean, add_generation_prompt=True, tokenize=False)
-    return encode_text(tokenizer, text, limit)
+    return encode_text(tokenizer, text, limit, special)
 
 
 def parse(
@@ -346,11 +359,12 @@ def embedding_inputs(body: dict, tokenizer, vocab_size: int, max_model_len: int)
             "'input' must be a string, a list of strings, a list of token ids or a list of such",
             param="input",
         )
+    special = add_special_tokens(body, True)
     out = []
     for item in raw:
         if isinstance(item, str) and item:
             try:
-                ids = encode_text(tokenizer, item, limit=max_model_len)
+                ids = encode_text(tokenizer, item, max_model_len, special)
             except TooManyTokens as exc:
                 raise APIError(
                     400, too_long_message(max_model_len, exc.at_least, exact=False), param="input"

@@ -10,7 +10,7 @@ from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, normalizers, trainers
 
 from engine import tokenize_cache
-from engine.tiny import CORPUS_PATH, ensure_tiny_model
+from engine.tiny import CORPUS_PATH, ensure_tiny_bos_model, ensure_tiny_model
 from engine.tokenize_cache import PrefixTokenCache
 from engine.tokenizer import Tokenizer, load_tokenizer
 
@@ -172,3 +172,26 @@ def test_a_huge_text_costs_what_the_limit_costs_not_what_the_text_does(tiny):
     with pytest.raises(tokenize_cache.TooManyTokens):
         tokenize_cache.encode_text(tiny, blob, limit)
     assert tokenize_cache.counters()["encoded"] == before
+
+
+def test_special_tokens_are_those_the_tokenizer_adds_around_a_text(tiny, corpus):
+    """A Llama-like tokenizer (the tiny model's BOS variant) puts its BOS before a text encoded
+    with special tokens: ``special=True`` gives those ids, short text or long (through the
+    cache), and a limit counts the BOS; the tiny model's own tokenizer adds nothing."""
+    bos = load_tokenizer(str(ensure_tiny_bos_model()))
+    assert tokenize_cache.special_tokens_around(bos) == ([0], [])
+    assert tokenize_cache.special_tokens_around(tiny) == ([], [])
+    rng = random.Random(5)
+    texts = list(_texts(corpus, rng, 6))
+    for text in [*texts, "a", "<|im_start|>user\nhi"]:
+        want = bos.encode(text, add_special_tokens=True)
+        assert want[0] == 0
+        assert tokenize_cache.encode_text(bos, text, special=True) == want
+        assert tokenize_cache.encode_text(bos, text) == want[1:]
+        assert tokenize_cache.encode_text(tiny, text, special=True) == want[1:]
+        if text not in texts:
+            continue
+        assert tokenize_cache.encode_text(bos, text, len(want), special=True) == want
+        with pytest.raises(tokenize_cache.TooManyTokens) as caught:
+            tokenize_cache.encode_text(bos, text, len(want) - 1, special=True)
+        assert len(want) - 1 < caught.value.at_least <= len(want)

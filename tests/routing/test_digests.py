@@ -15,8 +15,8 @@ from apps.routing.decision.request_shape import (
     tokenize_off_loop,
 )
 from engine.digests import chain_digests
-from engine.server.openai_api import chat_prompt, completion_prompt
-from engine.tiny import VOCAB_SIZE, ensure_tiny_model
+from engine.server.openai_api import APIError, chat_prompt, completion_prompt
+from engine.tiny import VOCAB_SIZE, ensure_tiny_bos_model, ensure_tiny_model
 from engine.tokenizer import GIL_FREE_CHARS
 
 BLOCK = 16
@@ -135,6 +135,38 @@ def test_completion_token_ids_digests_are_the_engines(tiny_path, tokenizer):
     assert shape.digests == chain_digests(ids, BLOCK)
     assert shape.prompt_tokens == 50
     assert shape_request({"prompt": [ids_in]}, False, tiny_path, BLOCK).digests == shape.digests
+
+
+@pytest.mark.parametrize(
+    "chat, flag, bos",
+    [(False, None, True), (False, False, False), (False, "yes", None), (True, None, False),
+     (True, True, True)],
+)  # fmt: skip
+def test_a_bos_goes_where_the_engine_puts_one(chat, flag, bos):
+    """A tokenizer that adds a BOS (the tiny model's Llama-like variant): the engine puts it
+    before a completion's text and not before a chat's templated text, as vLLM does, unless the
+    body's ``add_special_tokens`` says otherwise (our engine answers a malformed flag 400; the
+    router then routes as the default); the router digests the same ids."""
+    path = str(ensure_tiny_bos_model())
+    tokenizer = load_tokenizer(path)
+    body = {**(CHAT if chat else {"prompt": PROMPT})}
+    if flag is not None:
+        body["add_special_tokens"] = flag
+    shape = shape_request(body, chat, path, BLOCK)
+    if bos is None:
+        with pytest.raises(APIError) as caught:
+            completion_prompt(body, tokenizer, vocab_size=VOCAB_SIZE)
+        assert caught.value.status == 400 and caught.value.param == "add_special_tokens"
+        bos = True  # routed as the default
+        ids = completion_prompt({"prompt": PROMPT}, tokenizer, vocab_size=VOCAB_SIZE)
+    elif chat:
+        ids = chat_prompt(body, tokenizer)
+    else:
+        ids = completion_prompt(body, tokenizer, vocab_size=VOCAB_SIZE)
+    assert (ids[0] == 0) == bos and ids[bos:] == (
+        chat_prompt(CHAT, tokenizer) if chat else tokenizer.encode(PROMPT, add_special_tokens=False)
+    )
+    assert shape.ids == ids and shape.digests == chain_digests(ids, BLOCK)
 
 
 def test_block_size_is_the_workers(tiny_path, tokenizer):

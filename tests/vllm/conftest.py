@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from engine.tiny import ensure_tiny_model
+from engine.tiny import ensure_tiny_bos_model
 from engine.tiny_lora import ensure_tiny_adapter
 from harness.vllm import VLLMServer, start_vllm, vllm_venv
 
@@ -52,7 +52,7 @@ def vllm_server(request, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("vllm")
     with start_vllm(
         venv,
-        ensure_tiny_model(),
+        ensure_tiny_bos_model(),
         workdir,
         dp_size=2,
         block_size=BLOCK_SIZE,

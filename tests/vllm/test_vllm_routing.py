@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import uuid
 
 import httpx
 import pytest
@@ -25,7 +26,7 @@ from apps.routing.live import LiveFleet
 from controlplane import http
 from controlplane.asgi import build_application
 from engine.digests import chain_digests
-from engine.tiny import ensure_tiny_model
+from engine.tiny import ensure_tiny_bos_model
 from tests.vllm.conftest import ADAPTERS, BLOCK_SIZE, BLOCKS_PER_RANK
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
@@ -69,7 +70,8 @@ async def test_discovery_reads_what_vllm_says_and_where(router, vllm_server):
         BLOCK_SIZE,
         BLOCKS_PER_RANK,
     )
-    assert view.tokenizer_path == str(ensure_tiny_model())  # its /v1/models root: digests are ours
+    # its /v1/models root: digests are ours
+    assert view.tokenizer_path == str(ensure_tiny_bos_model())
     assert sorted(t.key for t in router.fleet.all_targets()) == [
         f"{vllm_server.url}@0",
         f"{vllm_server.url}@1",
@@ -172,6 +174,63 @@ async def test_lora_adapters_keep_their_hits_apart_as_vllm_does(router, client):
         assert await send(*other) == (0, 0), other
     assert await send("poems") == hit
     assert await send("tiny") == hit
+
+
+async def test_text_prompts_are_digested_as_vllm_tokenizes_them(router, client, vllm_server):
+    """The fixture's model puts a BOS before a text encoded with special tokens, as Llama's do.
+    vLLM adds it to a completion's text prompt (unless the body says ``add_special_tokens:
+    false``) and not to a chat's templated text. Each prompt is first sent to vLLM directly, so
+    the router knows it only from vLLM's KV events, in vLLM's own token ids; the same prompt
+    with another ending through the router must then be predicted as the hit vLLM reports: the
+    router digests the ids vLLM prefills, BOS included."""
+    assert vllm_server.kv_events, "this vLLM publishes no KV events"
+    feed = KVEventsFeed(router)
+    feed_task = asyncio.ensure_future(feed.run())
+    await asyncio.sleep(1.0)  # subscribed before the first event
+    rng = random.Random(79)
+    words = "sea sky harbour lantern copper willow granite meadow falcon ember".split()
+
+    def text() -> str:  # ~10 blocks of the tiny model's tokens, new to this vLLM (a reused one too)
+        tail = " ".join(rng.choice(words) + str(rng.randrange(100)) for _ in range(90))
+        return uuid.uuid4().hex + " " + tail
+
+    def body(path: str, head: str, tail: str, **extra) -> dict:
+        if "chat" in path:
+            messages = [{"role": "system", "content": head}, {"role": "user", "content": tail}]
+            return {"model": "tiny", "messages": messages, "max_tokens": 1, **extra}
+        return {"model": "tiny", "prompt": head + " " + tail, "max_tokens": 1, **extra}
+
+    try:
+        async with httpx.AsyncClient(base_url=vllm_server.url, timeout=120) as direct:
+            for path, extra in (
+                ("/v1/completions", {}),
+                ("/v1/completions", {"add_special_tokens": False}),
+                ("/v1/chat/completions", {}),
+            ):
+                head = text()
+                first = body(path, head, "first", **extra)
+                r = await direct.post(path, json=first, headers={"X-data-parallel-rank": "1"})
+                assert r.status_code == 200, r.text
+                # vLLM's own ids for it, and the router's index holding them from its events
+                asked = {k: v for k, v in first.items() if k != "max_tokens"}
+                ids = (await direct.post("/tokenize", json=asked)).json()["tokens"]
+                assert (ids[0] == 0) == (path == "/v1/completions" and not extra), ids[:3]
+                held = set(chain_digests(ids, BLOCK_SIZE)[:4])
+                for _ in range(50):
+                    if held <= set(router.index.ranks.get(f"{vllm_server.url}@1", {})):
+                        break
+                    await asyncio.sleep(0.1)
+                assert held <= set(router.index.ranks.get(f"{vllm_server.url}@1", {}))
+                before = sum(s.predicted_tokens for s in router.stats.targets.values())
+                r = await client.post(path, json=body(path, head, "second", **extra))
+                assert r.status_code == 200, r.text
+                predicted = sum(s.predicted_tokens for s in router.stats.targets.values()) - before
+                cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+                assert cached >= 4 * BLOCK_SIZE and predicted == cached, (path, extra, cached)
+                assert r.headers["x-data-parallel-rank"] == "1", (path, extra)
+    finally:
+        feed_task.cancel()
+        await asyncio.gather(feed_task, return_exceptions=True)
 
 
 async def test_a_responses_continuation_goes_where_vllm_stored_it(router, client):
@@ -447,7 +506,7 @@ async def test_a_killed_vllm_is_out_at_once_and_taken_back_with_an_empty_index(
         assert not router.fleet.workers[view.worker_id].healthy
 
         again = start_vllm(
-            vllm_python_venv, ensure_tiny_model(), tmp_path, **vllm_server.restart_args
+            vllm_python_venv, ensure_tiny_bos_model(), tmp_path, **vllm_server.restart_args
         )
         holder.append(again)
         await check_worker(router, router.fleet.workers[view.worker_id])

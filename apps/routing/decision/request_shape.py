@@ -72,7 +72,14 @@ def prompt_token_ids(
 ) -> list[int] | None:
     """The token ids the engine will prefill, or None when the body is not one we understand
     (the engine will then reject it; routing does not need to). ``limit``: ``TooManyTokens`` as
-    soon as the prompt is known to hold more tokens (engine.tokenize_cache.encode_text)."""
+    soon as the prompt is known to hold more tokens (engine.tokenize_cache.encode_text).
+
+    A completion's text is encoded with the tokenizer's special tokens (a Llama's BOS) and a
+    chat's templated text without (the template writes its own), unless the body's
+    ``add_special_tokens`` says otherwise: what vLLM, SGLang and our engine prefill."""
+    special = body.get("add_special_tokens")
+    if not isinstance(special, bool):
+        special = not chat
     if chat:
         messages = body.get("messages")
         if (
@@ -88,12 +95,12 @@ def prompt_token_ids(
             text = tokenizer.apply_chat_template(clean, add_generation_prompt=True, tokenize=False)
         except Exception:  # a template that rejects these roles: let the engine say so
             return None
-        return encode_text(tokenizer, text, limit)
+        return encode_text(tokenizer, text, limit, special)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1:
         prompt = prompt[0]
     if isinstance(prompt, str):
-        return encode_text(tokenizer, prompt, limit)
+        return encode_text(tokenizer, prompt, limit, special)
     if isinstance(prompt, list) and all(
         isinstance(t, int) and not isinstance(t, bool) for t in prompt
     ):
