@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import asyncio
 
+from django.conf import settings
+
 from apps.replicas.runtime import SCOPE_KEY, runtime_of
 from apps.routing.decision.request_shape import tokenizer_or_none
 from apps.routing.decision.router import Router
+from apps.routing.feeds import prompt_ids
 from apps.routing.records import view_of
 
 
@@ -22,6 +25,7 @@ class LiveFleet:
     def __init__(self, router: Router, admission=None):
         self.router = router
         self.admission = admission  # apps/routing/proxy/admission.py, None outside a process
+        self._tasks: set[asyncio.Task] = set()
 
     @property
     def dp_aware(self) -> bool:
@@ -38,6 +42,23 @@ class LiveFleet:
         self.router.install_worker(view, rank_ids)
         if view.tokenizer_path or tokenizer_path:
             warm_tokenizer(tokenizer_path or view.tokenizer_path)
+        installed = self.router.fleet.workers.get(view.worker_id)
+        if installed is not None and settings.CONTROL_PLANE["PROMPT_IDS"]:
+            if prompt_ids.wanted(installed):
+                self._in_background(prompt_ids.check(installed))
+            else:
+                installed.prompt_ids = False
+
+    def _in_background(self, coro) -> None:
+        """Run ``coro`` on the running loop, keeping a reference until it ends (none running: a
+        job's thread; the check waits for the next save)."""
+        try:
+            task = asyncio.get_running_loop().create_task(coro)
+        except RuntimeError:
+            coro.close()
+            return
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def worker_removed(self, worker_id: int) -> None:
         self.router.remove_worker(worker_id)

@@ -20,21 +20,25 @@ def test_a_body_with_a_non_json_constant_is_a_400(constant):
     assert err.value.status == 400 and "not valid JSON" in str(err.value.message)
 
 
+@pytest.mark.parametrize("flavour", ["dpmesh", "vllm"])
 @pytest.mark.parametrize(
     "prompt", ["plain", 'café 東京 🙂 "quoted" \\ back\nslash', "lone \ud800 surrogate"]
 )
-def test_the_upstream_body_is_the_clients_plus_the_routers_fields(prompt):
-    worker = SimpleNamespace(rank_fields=("data_parallel_rank",))
+def test_the_upstream_body_is_the_clients_plus_the_routers_fields(prompt, flavour):
+    """The router's ids go beside the text to our engine and in its place to vLLM (``ids_for``
+    says when); a client's own ids field never passes."""
+    worker = SimpleNamespace(rank_fields=("data_parallel_rank",), flavour=flavour)
     dispatch = SimpleNamespace(target=SimpleNamespace(rank=3, worker=worker))
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 2**70, "dpmesh_prompt_token_ids": [9]}
     out = json.loads(upstream_payload(body, dispatch, stream=True, ids=[1, 2, 3]))
+    ids = {"dpmesh_prompt_token_ids": [1, 2, 3]} if flavour == "dpmesh" else {"prompt": [1, 2, 3]}
     assert out == {
         "model": "tiny",
         "prompt": prompt,
         "max_tokens": 2**70,
-        "dpmesh_prompt_token_ids": [1, 2, 3],
         "data_parallel_rank": 3,
         "stream_options": {"include_usage": True},
+        **ids,
     }
 
 
@@ -56,7 +60,7 @@ def test_the_rank_goes_in_the_field_each_flavour_and_release_reads(flavour, vers
     their name, are replaced by the router's choice."""
     from apps.replicas.discovery import rank_fields
 
-    worker = SimpleNamespace(rank_fields=rank_fields(flavour, version))
+    worker = SimpleNamespace(rank_fields=rank_fields(flavour, version), flavour=flavour)
     dispatch = SimpleNamespace(target=SimpleNamespace(rank=2, worker=worker))
     body = {"prompt": "x", "routed_dp_rank": 0, "data_parallel_rank": 1, "data-parallel-rank": 1}
     out = json.loads(upstream_payload(body, dispatch, stream=False))

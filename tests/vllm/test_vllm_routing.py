@@ -8,6 +8,7 @@ cache salts kept apart, and /v1/responses continuations sent where vLLM stored t
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import random
 import uuid
@@ -21,12 +22,14 @@ from apps.replicas.jobs import parse_engine_metrics
 from apps.replicas.services import worker_add
 from apps.routing.decision.config import RouterConfig
 from apps.routing.decision.router import Router
+from apps.routing.feeds import prompt_ids
 from apps.routing.feeds.kv_events import KVEventsFeed
 from apps.routing.live import LiveFleet
+from apps.routing.proxy import wire
 from controlplane import http
 from controlplane.asgi import build_application
 from engine.digests import chain_digests
-from engine.tiny import ensure_tiny_bos_model
+from engine.tiny import ensure_tiny_bos_model, ensure_tiny_model
 from tests.vllm.conftest import ADAPTERS, BLOCK_SIZE, BLOCKS_PER_RANK
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
@@ -231,6 +234,48 @@ async def test_text_prompts_are_digested_as_vllm_tokenizes_them(router, client, 
     finally:
         feed_task.cancel()
         await asyncio.gather(feed_task, return_exceptions=True)
+
+
+async def test_a_completions_text_goes_to_vllm_as_the_ids_vllm_would_make(
+    router, client, vllm_server
+):
+    """Once vLLM's /tokenize has agreed with the router's encoding (apps/routing/feeds/
+    prompt_ids.py), a completion's text prompt goes to it as the ids the router made to route
+    it, and the answer is the one vLLM gives the text: same prompt tokens, same greedy text. A
+    router tokenizer that disagrees (the plain tiny model's, without this vLLM's BOS) is found
+    out; ``echo`` and chat keep their text."""
+    view = next(iter(router.fleet.workers.values()))
+    for _ in range(100):
+        if view.prompt_ids:
+            break
+        await asyncio.sleep(0.1)
+    assert view.prompt_ids and router.worker_state(view.worker_id)["prompt_ids"]
+    prompt = "  the quick brown fox, née Smith, jumps over 12 lazy dogs\n\tand 日本語 🙂 " * 6
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0}
+    async with httpx.AsyncClient(base_url=vllm_server.url, timeout=120) as direct:
+        want = (await direct.post("/v1/completions", json=body)).json()
+        vllm_ids = (await direct.post("/tokenize", json={"prompt": prompt})).json()["tokens"]
+    for stream in (False, True):
+        options = {"stream_options": {"include_usage": True}} if stream else {}
+        r = await client.post("/v1/completions", json={**body, "stream": stream, **options})
+        assert r.status_code == 200, r.text
+        if stream:
+            events = [json.loads(e[6:]) for e in r.text.split("\n") if e.startswith("data: {")]
+            text = "".join(c["text"] for e in events for c in e["choices"])
+            usage = next(e["usage"] for e in events if e.get("usage"))
+        else:
+            text, usage = r.json()["choices"][0]["text"], r.json()["usage"]
+        assert text == want["choices"][0]["text"]
+        assert usage["prompt_tokens"] == want["usage"]["prompt_tokens"] == len(vllm_ids)
+    # what goes on the wire: the ids for a text prompt, the text where the prompt comes back
+    (target, *_) = router.fleet.all_targets()
+    shape = router._shape(body, False, target)
+    assert wire.ids_for(router, target, {}, body, shape) == vllm_ids
+    assert wire.ids_for(router, target, {}, {**body, "echo": True}, shape) is None
+    assert wire.ids_for(router, target, {}, {**body, "prompt_logprobs": 1}, shape) is None
+    other = dataclasses.replace(view, own_tokenizer_path=str(ensure_tiny_model()))
+    assert await prompt_ids.agrees(other) is False
+    assert all(t.load.idle for t in router.fleet.all_targets())
 
 
 async def test_a_responses_continuation_goes_where_vllm_stored_it(router, client):

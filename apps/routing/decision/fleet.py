@@ -52,6 +52,9 @@ class WorkerView:
     # per path, whether the worker serves a pinned request on that rank (apps/replicas/
     # pin_check.py; a path not checked is absent): where it does not, placement is not believed
     pin_check: dict[str, bool] = field(default_factory=dict)
+    # vLLM: its /tokenize gave the router's ids for the probes of apps/routing/feeds/prompt_ids.py,
+    # so a completion's text prompt goes to it as those ids (proxy/wire.py ``ids_for``)
+    prompt_ids: bool = False
     # the body fields the chosen rank goes in (proxy/wire.py ``rank_fields``: by flavour/version)
     rank_fields: tuple[str, ...] = ("data_parallel_rank",)
     # LoRA adapters it serves (a request names one as its ``model``): their blocks are keyed
@@ -73,6 +76,8 @@ class WorkerView:
         self.healthy, self.lost = old.healthy, old.lost
         self.consecutive_failures = old.consecutive_failures
         self.consecutive_successes = old.consecutive_successes
+        if old.own_tokenizer_path == self.own_tokenizer_path:  # checked again on its save
+            self.prompt_ids = old.prompt_ids
 
 
 @dataclass(eq=False)

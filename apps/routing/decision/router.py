@@ -393,4 +393,6 @@ class Router:
             "health": "healthy" if view.healthy else "unhealthy",
             "targets": targets,
             "timing": timing.fit.as_dict() if timing else None,
+            # a completion's text prompt goes to it as token ids (apps/routing/feeds/prompt_ids.py)
+            "prompt_ids": view.prompt_ids,
         }

@@ -206,7 +206,11 @@ async def _attempts(router, body, chat, path, send, model, rank, session, since,
             return
         tried.add(dispatch.target.key)
         last_try = attempt == router.config.max_retries
-        given = None if chat else wire.ids_for(router, dispatch.target, ids_by_path)
+        given = (
+            None
+            if chat
+            else wire.ids_for(router, dispatch.target, ids_by_path, body, dispatch.shape)
+        )
         began = time.perf_counter()
         with tracing.client_span("dpmesh.router.attempt") as span:
             if span is not None:

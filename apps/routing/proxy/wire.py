@@ -24,30 +24,52 @@ from serving import tracing
 from serving.openai_fields import PRETOKENIZED
 
 
-def ids_for(router: Router, target, ids_by_path: dict) -> list[int] | None:
-    """A completion prompt's token ids to send beside it (serving/openai_fields.py
-    ``PRETOKENIZED``), so the engine need not tokenize it again: only to our own engine, and only
-    ids made with its own tokenizer files (not a ``--tokenizer-path`` of the router's). Not for
-    chat: there the router renders the chat template itself (engine.chat_template), held to
-    transformers' rendering by tests for the templates we know, but a user's template could
-    render differently, and then the engine would compute another prompt than its own; a
-    mismatch in a completion's plain encoding is not expected (the same tokenizer.json)."""
+def ids_for(
+    router: Router, target, ids_by_path: dict, body: dict | None = None, shape=None
+) -> list[int] | None:
+    """A completion's text prompt as token ids, so the engine need not tokenize it again; only
+    ids made with the engine's own tokenizer files (not a ``--tokenizer-path`` of the router's):
+
+    - to our own engine, beside the text (serving/openai_fields.py ``PRETOKENIZED``: it still
+      checks the text), for a prompt the router tokenized off the loop (``ids_by_path``);
+    - to a vLLM whose ``/tokenize`` agreed with the router's encoding
+      (``WorkerView.prompt_ids``, apps/routing/feeds/prompt_ids.py), in place of the text: any
+      text prompt (``shape``: the request's shape for ``target``, whose ids the router made to
+      route it), unless ``echo`` or ``prompt_logprobs`` asks for the prompt back.
+
+    Not for chat (the caller's rule): there the router renders the chat template itself
+    (engine.chat_template), held to transformers' rendering by tests for the templates we know,
+    but a user's template could render differently, and then the engine would compute another
+    prompt than its own."""
     worker = target.worker
     own = worker.own_tokenizer_path
-    if not ids_by_path or worker.flavour != "dpmesh" or not own:
+    if not own or router.tokenizer_path_of(target) != own:  # the router's --tokenizer-path
         return None
-    if router.tokenizer_path_of(target) != own:  # the router's --tokenizer-path made them
+    if worker.flavour == "dpmesh":
+        return ids_by_path.get(own) if ids_by_path else None
+    if not worker.prompt_ids or body is None or body.get("echo") or body.get("prompt_logprobs"):
         return None
-    return ids_by_path.get(own)
+    prompt = body.get("prompt")
+    if not (isinstance(prompt, str) or (isinstance(prompt, list) and len(prompt) == 1
+                                        and isinstance(prompt[0], str))):  # fmt: skip
+        return None
+    ids = ids_by_path.get(own) if ids_by_path else None
+    if ids is None and shape is not None:
+        ids = shape.ids
+    return ids
 
 
 def upstream_payload(
     body: dict, dispatch: Dispatch, stream: bool, ids: list[int] | None = None
 ) -> bytes:
+    """``ids`` (``ids_for``): beside the text to our engine, in its place to another."""
     payload = dict(body)
     payload.pop(PRETOKENIZED, None)  # the router's to give, not the client's to pass through
     if ids is not None:
-        payload[PRETOKENIZED] = ids
+        if dispatch.target.worker.flavour == "dpmesh":
+            payload[PRETOKENIZED] = ids
+        else:
+            payload["prompt"] = ids
     if dispatch.target.rank is not None:
         for field in ("data-parallel-rank", "data_parallel_rank", "routed_dp_rank"):
             payload.pop(field, None)  # the router's choice is the one the engine reads
