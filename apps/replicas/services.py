@@ -252,4 +252,7 @@ def worker_as_dict(worker: Worker, runtime: FleetRuntime | None = None) -> dict:
         # what a first token costs in time there, as this router learned it
         # (apps/routing/decision/timing.py); None until it has seen one
         "timing": live.get("timing") if live else None,
+        # this router sends it a completion's text prompt as token ids (vLLM, once its
+        # /tokenize agreed: docs/routing.md, "Prompts as token ids")
+        "prompt_ids": bool(live and live.get("prompt_ids")),
     }

@@ -40,7 +40,8 @@ from harness.vllm import start_vllm, vllm_venv
 
 TARGETS = ["vllm-balancer", "dpmesh:cache_aware", "vllm-router:cache_aware", "vllm-router:kv_aware"]
 # also: dpmesh-no-time-check:cache_aware (ours with --time-check off), dpmesh-workers2:cache_aware
-# (ours as runrouter --workers 2, with --redis-url)
+# (ours as runrouter --workers 2, with --redis-url), dpmesh-text-prompts:cache_aware (ours sending
+# the prompts' text, not their ids: CONTROL_PLANE_PROMPT_IDS=false)
 
 
 SESSIONS = ("shared", "own")
@@ -56,7 +57,7 @@ SESSIONS_HELP = (
 
 def router_cmd(spec: str, server, port: int, vllm_router: str) -> list[str] | None:
     kind, _, policy = spec.partition(":")
-    if kind == "dpmesh":
+    if kind in ("dpmesh", "dpmesh-text-prompts"):
         return router_command(server.url, port=port, policy=policy)
     if kind == "dpmesh-no-time-check":  # ours with the policy's choices unchecked (A/B)
         return router_command(server.url, "--time-check", "off", port=port, policy=policy)
@@ -88,6 +89,8 @@ def run_target(spec: str, args, tok, venv: Path, workdir: Path, round_: int) -> 
         env = {"DATABASE_URL": f"sqlite:///{workdir}/{spec.replace(':', '-')}-{round_}.sqlite3"}
         if spec.startswith("dpmesh-workers"):
             env["REDIS_URL"] = args.redis_url
+        if spec.startswith("dpmesh-text-prompts"):
+            env["CONTROL_PLANE_PROMPT_IDS"] = "false"
         router = None
         if cmd is not None:
             router = start(cmd, f"http://127.0.0.1:{port}", workdir / f"{spec}-{round_}.log",
@@ -123,7 +126,8 @@ def run_workload(spec, args, tok, server, base: str, concurrency: int, round_: i
     if spec.startswith("dpmesh"):  # what our router's time model learnt so far
         workers = httpx.get(base + "/workers", timeout=10).json()["workers"]
         r["timing"] = [w.get("timing") for w in workers]
-        print(f"    time model: {r['timing']}", flush=True)
+        r["prompt_ids"] = [w.get("prompt_ids") for w in workers]
+        print(f"    time model: {r['timing']}; prompts as ids: {r['prompt_ids']}", flush=True)
     return r
 
 

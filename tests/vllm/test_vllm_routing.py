@@ -17,9 +17,10 @@ import httpx
 import pytest
 import zmq
 import zmq.asyncio
+from asgiref.sync import sync_to_async
 
 from apps.replicas.jobs import parse_engine_metrics
-from apps.replicas.services import worker_add
+from apps.replicas.services import worker_add, worker_as_dict, worker_list
 from apps.routing.decision.config import RouterConfig
 from apps.routing.decision.router import Router
 from apps.routing.feeds import prompt_ids
@@ -249,7 +250,9 @@ async def test_a_completions_text_goes_to_vllm_as_the_ids_vllm_would_make(
         if view.prompt_ids:
             break
         await asyncio.sleep(0.1)
-    assert view.prompt_ids and router.worker_state(view.worker_id)["prompt_ids"]
+    assert view.prompt_ids
+    (worker, _), *_ = await sync_to_async(worker_list)()
+    assert worker_as_dict(worker, LiveFleet(router))["prompt_ids"]  # GET /workers
     prompt = "  the quick brown fox, née Smith, jumps over 12 lazy dogs\n\tand 日本語 🙂 " * 6
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0}
     async with httpx.AsyncClient(base_url=vllm_server.url, timeout=120) as direct:
