@@ -134,12 +134,11 @@ class LLMEngine:
     ) -> Sequence:
         """Queue a request (a text ``prompt`` is encoded with the tokenizer's special tokens, as
         vLLM's ``LLM.generate`` encodes it). Raises ValueError (nothing queued) for an empty or
-        too long prompt,
-        a duplicate id, or a prompt that could never fit the KV pool. ``hold_key``: a prefill for
-        a remote decode, whose prompt blocks stay held under that key when it ends (``held``;
-        the key is the request id for vLLM's protocol, the bootstrap room for SGLang's);
-        ``cached_tokens``: the cached count to report instead of this rank's own (a decode
-        reports its prefill's)."""
+        too long prompt, a duplicate id, or a prompt that could never fit the KV pool.
+        ``hold_key``: a prefill for a remote decode, whose prompt blocks stay held under that key
+        when it ends (``held``; the key is the request id for vLLM's protocol, the bootstrap room
+        for SGLang's); ``cached_tokens``: the cached count to report instead of this rank's own
+        (a decode reports its prefill's)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running")
         if hold_key is not None and (hold_key in self.held or self._holding(hold_key)):
