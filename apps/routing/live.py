@@ -43,7 +43,7 @@ class LiveFleet:
         if view.tokenizer_path or tokenizer_path:
             warm_tokenizer(tokenizer_path or view.tokenizer_path)
         installed = self.router.fleet.workers.get(view.worker_id)
-        if installed is not None and settings.CONTROL_PLANE["PROMPT_IDS"]:
+        if installed is not None and settings.CONTROL_PLANE.get("PROMPT_IDS", True):
             if prompt_ids.wanted(installed):
                 self._in_background(prompt_ids.check(installed))
             else:
