@@ -94,6 +94,7 @@ class RouterCollector:
         yield from self._target_gauges(targets, _STATE_GAUGES)
         yield _role_family(targets)
         yield _pin_family(self.router)
+        yield _prompt_ids_family(self.router)
         yield from self._response_families()
         yield _policy_info(self.router)
         yield from self._observer_families()
@@ -266,6 +267,21 @@ def _pin_family(router) -> GaugeMetricFamily:
     for view in router.fleet.workers.values():
         for path, honoured in view.pin_check.items():
             family.add_metric([view.url, path], float(honoured))
+    return family
+
+
+def _prompt_ids_family(router) -> GaugeMetricFamily:
+    """Per vLLM worker, whether a completion's text prompt goes to it as the router's token ids
+    (apps/routing/feeds/prompt_ids.py): 1 once its /tokenize agreed, else 0."""
+    family = GaugeMetricFamily(
+        f"{PREFIX}_prompt_ids",
+        "1 where a completion's text prompt goes to the worker as the router's token ids (its "
+        "/tokenize agreed with them), 0 where it goes as text",
+        labels=["worker"],
+    )
+    for view in router.fleet.workers.values():
+        if view.flavour == "vllm":
+            family.add_metric([view.url], float(view.prompt_ids))
     return family
 
 

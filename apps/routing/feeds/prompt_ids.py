@@ -85,6 +85,12 @@ async def check(view) -> None:
         )
     elif verdict is True:
         logger.info("worker %s: completions' text prompts go to it as token ids", view.url)
+    else:
+        logger.info(
+            "worker %s: its /tokenize could not be asked (or its tokenizer loaded here): prompts "
+            "go to it as text",
+            view.url,
+        )
 
 
 def wanted(view) -> bool:
