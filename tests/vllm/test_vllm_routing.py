@@ -253,7 +253,7 @@ async def test_a_completions_text_goes_to_vllm_as_the_ids_vllm_would_make(
     assert view.prompt_ids
     (worker, _), *_ = await sync_to_async(worker_list)()
     assert worker_as_dict(worker, LiveFleet(router))["prompt_ids"]  # GET /workers
-    metrics = (await client.get("/metrics")).text
+    metrics = (await client.get("/metrics", headers={"host": "localhost"})).text
     assert f'dpmesh_router_prompt_ids{{worker="{vllm_server.url}"}} 1.0' in metrics
     prompt = "  the quick brown fox, née Smith, jumps over 12 lazy dogs\n\tand 日本語 🙂 " * 6
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0}
