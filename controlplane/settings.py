@@ -154,8 +154,9 @@ CONTROL_PLANE = namespaced_settings(
         # At discovery, check per path that a dp-aware worker serves a pinned request on that rank
         # (apps/replicas/pin_check.py: one 1-token request per rank and path).
         "PIN_CHECK": True,
-        # Send a vLLM worker a completion's text prompt as the token ids the router made of it,
-        # once its /tokenize agrees with them (apps/routing/feeds/prompt_ids.py).
+        # Send the engine a completion's text prompt as the token ids the router made of it: to
+        # ours beside the text, to a vLLM in its place once its /tokenize agrees with them
+        # (apps/routing/feeds/prompt_ids.py).
         "PROMPT_IDS": True,
         # Admission control per router process (apps/routing/proxy/admission.py; runrouter's flags
         # of the same names win): 0 = no concurrency limit / saturation rule off. smg's queue

@@ -43,11 +43,10 @@ class LiveFleet:
         if view.tokenizer_path or tokenizer_path:
             warm_tokenizer(tokenizer_path or view.tokenizer_path)
         installed = self.router.fleet.workers.get(view.worker_id)
-        if installed is not None and settings.CONTROL_PLANE.get("PROMPT_IDS", True):
-            if prompt_ids.wanted(installed):
-                self._in_background(prompt_ids.check(installed))
-            else:
-                installed.prompt_ids = False
+        if installed is None:
+            return
+        if prompt_ids.wanted(installed) and settings.CONTROL_PLANE.get("PROMPT_IDS", True):
+            self._in_background(prompt_ids.check(installed))
 
     def _in_background(self, coro) -> None:
         """Run ``coro`` on the running loop, keeping a reference until it ends (none running: a

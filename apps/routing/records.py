@@ -8,6 +8,8 @@ import os
 import re
 from urllib.parse import urlsplit
 
+from django.conf import settings
+
 from apps.replicas.discovery import effective_info, rank_fields, role_of
 from apps.routing.decision.fleet import WorkerView
 from engine.digests import SCHEME
@@ -54,6 +56,14 @@ def view_of(worker, tokenizer_path: str | None = None) -> WorkerView:
             info.get("bootstrap_port") or info.get("disaggregation_bootstrap_port")
         ),
         rank_fields=rank_fields(info.get("flavour") or "dpmesh", info.get("version")),
+        # our own engine takes the ids beside the text, from its own tokenizer files (no probe:
+        # the same files, the same encode_text); a vLLM's is set by its /tokenize check
+        # (apps/routing/live.py, apps/routing/feeds/prompt_ids.py)
+        prompt_ids=bool(
+            own
+            and (info.get("flavour") or "dpmesh") == "dpmesh"
+            and settings.CONTROL_PLANE.get("PROMPT_IDS", True)
+        ),
         pin_check={
             path: result["honoured"]
             for path, result in (info.get("pin_check") or {}).items()

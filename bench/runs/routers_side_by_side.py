@@ -13,9 +13,10 @@ request ``i`` of every router is sent before request ``i + 1`` of any. Streamed,
 
     .venv/bin/python -m bench.runs.routers_side_by_side [--routers dpmesh dpmesh-text-prompts
         vllm-router] [--vllm-router PATH] [--num-prompts 300] [--passes 2] [--dp-size 1]
+        [--engine ours]  # our engine (runengine) instead of vLLM: no vllm-router there
 
-``dpmesh-text-prompts`` is ours with ``CONTROL_PLANE_PROMPT_IDS=false`` (text to vLLM, not the
-router's token ids: docs/routing.md, "Prompts as token ids").
+``dpmesh-text-prompts`` is ours with ``CONTROL_PLANE_PROMPT_IDS=false`` (text to the engine, not
+the router's token ids: docs/routing.md, "Prompts as token ids").
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import httpx
 from bench import datasets
 from bench.runs.routers_on_our_engine import tokenizer
 from engine.tiny import ensure_tiny_model
-from harness.procs import free_port, router_command, start
+from harness.procs import free_port, router_command, start, start_engine
 from harness.vllm import start_vllm, vllm_venv
 
 
@@ -87,12 +88,15 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=20, help="first requests not counted")
     parser.add_argument("--passes", type=int, default=2)
     parser.add_argument("--dp-size", type=int, default=1)
+    parser.add_argument(
+        "--engine", choices=("vllm", "ours"), default="vllm", help="ours: runengine, the tiny model"
+    )
     parser.add_argument("--prefix-len", type=int, default=192)
     parser.add_argument("--suffix-len", type=int, default=48)
     parser.add_argument("--output-len", type=int, default=4)
     args = parser.parse_args(argv)
-    venv = vllm_venv(build=True)
-    if venv is None:
+    venv = vllm_venv(build=True) if args.engine == "vllm" else None
+    if args.engine == "vllm" and venv is None:
         parser.error("no vLLM venv: scripts/vllm-cpu-venv.sh failed")
     tok = tokenizer()
     allowed = datasets.allowed_token_ids(len(tok), tok)
@@ -107,16 +111,21 @@ def main(argv=None) -> int:
 
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         workdir = Path(tmp)
-        server = stack.enter_context(
-            start_vllm(
-                venv,
-                ensure_tiny_model(),
-                workdir,
-                dp_size=args.dp_size,
-                block_size=32,
-                new_session=False,
-            )  # fmt: skip
-        )
+        if args.engine == "ours":
+            server = stack.enter_context(
+                start_engine(workdir, "--dp-size", str(args.dp_size), "--model", "tiny")
+            )
+        else:
+            server = stack.enter_context(
+                start_vllm(
+                    venv,
+                    ensure_tiny_model(),
+                    workdir,
+                    dp_size=args.dp_size,
+                    block_size=32,
+                    new_session=False,
+                )  # fmt: skip
+            )
         urls = {}
         for name in args.routers:
             port = free_port()

@@ -684,10 +684,11 @@ def assert_same_as_the_engine_direct(cluster: Cluster, body: dict, routed) -> No
 
 
 def test_a_long_completion_is_tokenized_once_by_the_router_not_again_by_the_engine(cluster):
-    """The router tokenizes a long text prompt to route it and sends the ids beside the text
+    """The router tokenizes a text prompt to route it and sends the ids beside the text
     (serving/openai_fields.py PRETOKENIZED): the engine computes them without encoding the
-    text again, and answers exactly what it answers to the text alone. Not for chat, not for a
-    short prompt, and a client's own ids field is dropped."""
+    text again, and answers exactly what it answers to the text alone. A long prompt's ids come
+    from the router's worker threads, a short one's from its inline encoding; not for chat, and
+    a client's own ids field is dropped for the router's."""
     long_prompt = "the quick brown fox jumps over the lazy dog " * 100  # 4,400 characters
     body = {"model": "tiny", "prompt": long_prompt, "max_tokens": 6, "temperature": 0}
     before = _pretokenized(cluster)
@@ -711,7 +712,11 @@ def test_a_long_completion_is_tokenized_once_by_the_router_not_again_by_the_engi
         r = httpx.post(cluster.url + path, json=extra, timeout=60)
         assert r.status_code == 200, r.text
     assert r.json()["usage"]["prompt_tokens"] < 40  # "short", not the client's 40 ids
-    assert _pretokenized(cluster) == before + 1
+    assert _pretokenized(cluster) == before + 2  # the long prompt and "short"; not the chat
+    short = {"model": "tiny", "prompt": "a short prompt, routed", "max_tokens": 4, "temperature": 0}
+    routed = httpx.post(cluster.url + "/v1/completions", json=short, timeout=60)
+    assert _pretokenized(cluster) == before + 3
+    assert_same_as_the_engine_direct(cluster, short, routed)
     assert_idle(cluster.url)
 
 

@@ -52,8 +52,8 @@ class WorkerView:
     # per path, whether the worker serves a pinned request on that rank (apps/replicas/
     # pin_check.py; a path not checked is absent): where it does not, placement is not believed
     pin_check: dict[str, bool] = field(default_factory=dict)
-    # vLLM: its /tokenize gave the router's ids for the probes of apps/routing/feeds/prompt_ids.py,
-    # so a completion's text prompt goes to it as those ids (proxy/wire.py ``ids_for``)
+    # a completion's text prompt goes to it as the router's token ids (proxy/wire.py ``ids_for``):
+    # our engine, beside the text; a vLLM whose /tokenize agreed (apps/routing/feeds/prompt_ids.py)
     prompt_ids: bool = False
     # the body fields the chosen rank goes in (proxy/wire.py ``rank_fields``: by flavour/version)
     rank_fields: tuple[str, ...] = ("data_parallel_rank",)
@@ -76,8 +76,8 @@ class WorkerView:
         self.healthy, self.lost = old.healthy, old.lost
         self.consecutive_failures = old.consecutive_failures
         self.consecutive_successes = old.consecutive_successes
-        if old.own_tokenizer_path == self.own_tokenizer_path:  # checked again on its save
-            self.prompt_ids = old.prompt_ids
+        if self.flavour == "vllm" and old.own_tokenizer_path == self.own_tokenizer_path:
+            self.prompt_ids = old.prompt_ids  # until its /tokenize is asked again
 
 
 @dataclass(eq=False)

@@ -27,15 +27,15 @@ from serving.openai_fields import PRETOKENIZED
 def ids_for(
     router: Router, target, ids_by_path: dict, body: dict | None = None, shape=None
 ) -> list[int] | None:
-    """A completion's text prompt as token ids, so the engine need not tokenize it again; only
-    ids made with the engine's own tokenizer files (not a ``--tokenizer-path`` of the router's):
-
-    - to our own engine, beside the text (serving/openai_fields.py ``PRETOKENIZED``: it still
-      checks the text), for a prompt the router tokenized off the loop (``ids_by_path``);
-    - to a vLLM whose ``/tokenize`` agreed with the router's encoding
-      (``WorkerView.prompt_ids``, apps/routing/feeds/prompt_ids.py), in place of the text: any
-      text prompt (``shape``: the request's shape for ``target``, whose ids the router made to
-      route it), unless ``echo`` or ``prompt_logprobs`` asks for the prompt back.
+    """A completion's text prompt as the token ids the router made of it to route it, so the
+    engine need not tokenize it again: to a worker whose ``WorkerView.prompt_ids`` says it takes
+    them (apps/routing/feeds/prompt_ids.py: our own engine, beside the text, which it still
+    checks, serving/openai_fields.py ``PRETOKENIZED``; a vLLM whose ``/tokenize`` agreed with the
+    router's encoding, in place of the text), and only ids made with the engine's own tokenizer
+    files (not a ``--tokenizer-path`` of the router's). ``ids_by_path``: a long prompt's ids,
+    tokenized off the loop; ``shape``: the request's shape for ``target``, whose ids the router
+    made inline; without ``body`` (a prefill/decode leg) only the former. Not where the prompt
+    comes back (``echo``, ``prompt_logprobs``: vLLM would rebuild it from the ids).
 
     Not for chat (the caller's rule): there the router renders the chat template itself
     (engine.chat_template), held to transformers' rendering by tests for the templates we know,
@@ -43,17 +43,17 @@ def ids_for(
     prompt than its own."""
     worker = target.worker
     own = worker.own_tokenizer_path
-    if not own or router.tokenizer_path_of(target) != own:  # the router's --tokenizer-path
-        return None
-    if worker.flavour == "dpmesh":
-        return ids_by_path.get(own) if ids_by_path else None
-    if not worker.prompt_ids or body is None or body.get("echo") or body.get("prompt_logprobs"):
+    if not worker.prompt_ids or not own or router.tokenizer_path_of(target) != own:
+        return None  # the router's --tokenizer-path made them, or the worker takes text
+    ids = ids_by_path.get(own) if ids_by_path else None
+    if body is None:
+        return ids
+    if body.get("echo") or body.get("prompt_logprobs"):
         return None
     prompt = body.get("prompt")
     if not (isinstance(prompt, str) or (isinstance(prompt, list) and len(prompt) == 1
                                         and isinstance(prompt[0], str))):  # fmt: skip
         return None
-    ids = ids_by_path.get(own) if ids_by_path else None
     if ids is None and shape is not None:
         ids = shape.ids
     return ids
