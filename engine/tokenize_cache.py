@@ -215,7 +215,7 @@ def encode_text(tokenizer, text: str, limit: int | None = None, special: bool = 
     return _encode(tokenizer, text)
 
 
-_AROUND: dict[int, tuple[object, tuple[list[int], list[int]] | None]] = {}
+_AROUND: dict = {}  # tokenizer -> the ids its post-processor puts around a text (None: not that)
 
 
 def special_tokens_around(tokenizer) -> tuple[list[int], list[int]] | None:
@@ -223,9 +223,8 @@ def special_tokens_around(tokenizer) -> tuple[list[int], list[int]] | None:
     tokens (``[bos]``, ``[]`` for a Llama; ``[]``, ``[]`` for most others), found once per
     tokenizer from two probes; None when its output is not the plain encoding with tokens
     around it."""
-    known = _AROUND.get(id(tokenizer))
-    if known is not None and known[0] is tokenizer:
-        return known[1]
+    if tokenizer in _AROUND:
+        return _AROUND[tokenizer]
     around = None
     for probe in ("hello world", " Two probes, 2 lengths: the same tokens around each."):
         plain = tokenizer.encode(probe, add_special_tokens=False)
@@ -239,7 +238,7 @@ def special_tokens_around(tokenizer) -> tuple[list[int], list[int]] | None:
             around = None
             break
         around = found
-    _AROUND[id(tokenizer)] = (tokenizer, around)
+    _AROUND[tokenizer] = around
     return around
 
 

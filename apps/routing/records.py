@@ -27,6 +27,7 @@ def view_of(worker, tokenizer_path: str | None = None) -> WorkerView:
     block = info.get("block_size") or info.get("page_size")
     ours = path and block and info.get("prefix_digest") == SCHEME
     adapters = lora_adapters(info)
+    flavour = info.get("flavour") or "dpmesh"
     aliases = {a for a in (worker.served_model_name, worker.model_id, info.get("model_path")) if a}
     return WorkerView(
         worker_id=worker.id,
@@ -47,7 +48,7 @@ def view_of(worker, tokenizer_path: str | None = None) -> WorkerView:
         draining=worker.draining,
         instance_id=info.get("instance_id"),
         kv_events=info.get("kv_events") if ours else None,
-        flavour=info.get("flavour") or "dpmesh",
+        flavour=flavour,
         zmq_kv_events=zmq_endpoints(worker.url, info) if path and block else (),
         zmq_replay=zmq_replay_endpoints(worker.url, info, worker.dp_size) if path and block else (),
         healthy=worker.health != worker.Health.UNHEALTHY,
@@ -55,14 +56,12 @@ def view_of(worker, tokenizer_path: str | None = None) -> WorkerView:
         bootstrap_port=_positive_int(
             info.get("bootstrap_port") or info.get("disaggregation_bootstrap_port")
         ),
-        rank_fields=rank_fields(info.get("flavour") or "dpmesh", info.get("version")),
+        rank_fields=rank_fields(flavour, info.get("version")),
         # our own engine takes the ids beside the text, from its own tokenizer files (no probe:
         # the same files, the same encode_text); a vLLM's is set by its /tokenize check
         # (apps/routing/live.py, apps/routing/feeds/prompt_ids.py)
         prompt_ids=bool(
-            own
-            and (info.get("flavour") or "dpmesh") == "dpmesh"
-            and settings.CONTROL_PLANE.get("PROMPT_IDS", True)
+            own and flavour == "dpmesh" and settings.CONTROL_PLANE.get("PROMPT_IDS", True)
         ),
         pin_check={
             path: result["honoured"]
