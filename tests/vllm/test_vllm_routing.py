@@ -425,7 +425,9 @@ async def test_precise_mode_mirrors_what_vllm_keeps_after_it_evicts(router, clie
             key = r.headers["x-routed-target"]
             routed.setdefault(key, set()).update(router.index.ranks[key])
         async with httpx.AsyncClient(base_url=vllm_server.url, timeout=120) as direct:
-            for i in range(2 * (BLOCKS_PER_RANK // 12 + 2)):  # more than each rank can hold
+            # twice what each rank can hold: vLLM frees a request's blocks last-first, so one pass
+            # over the pool can leave an older prompt's first blocks cached
+            for i in range(4 * (BLOCKS_PER_RANK // 12 + 2)):
                 r = await direct.post(
                     "/v1/completions",
                     json={"model": "tiny", "prompt": prompt(), "max_tokens": 2},
