@@ -4,11 +4,12 @@ The stand-in upstream (harness/standin.py) answers every ``/v1/completions`` wit
 ``--tokens`` text events, ``--token-interval-s`` apart (as an engine's decode steps arrive: one
 event per read, nothing to batch); each router in turn (ours ``runrouter --dp-aware``, SGLang's
 ``sglang-router launch --dp-aware``, both cache_aware) relays ``--requests`` of them,
-``--concurrency`` at a time, streamed and then not streamed. The router's user + system CPU over
-each pass, divided by the requests, is its cost; the streamed minus the non-streamed cost,
+``--concurrency`` at a time, streamed, then ``--plain-requests`` not streamed. The router's user
++ system CPU over each pass, divided by its requests, is its cost; the streamed minus the non-streamed cost,
 divided by the events, is what one event costs it::
 
     .venv/bin/python -m bench.runs.stream_relay [--tokens 200] [--requests 200] \\
+        [--plain-requests 5000] \\
         [--routers dpmesh dpmesh:uvicorn sglang vllm-router] [--vllm-router PATH]
 
 ``dpmesh:SERVER`` is ours under that ASGI server (``runrouter --server``; plain ``dpmesh``: the
@@ -53,11 +54,12 @@ async def drive(url: str, requests: int, concurrency: int, tokens: int, stream: 
         await asyncio.gather(*(one(i) for i in range(requests)))
 
 
-def measure(url: str, pid: int, args, stream: bool) -> tuple[float, float]:
-    """(CPU ms a request of process ``pid`` and its children, wall seconds) over one pass."""
+def measure(url: str, pid: int, args, stream: bool, requests: int) -> tuple[float, float]:
+    """(CPU ms a request of process ``pid`` and its children, wall seconds) over one pass of
+    ``requests``."""
     cpu, wall = cpu_seconds(pid), time.perf_counter()
-    asyncio.run(drive(url, args.requests, args.concurrency, args.tokens, stream))
-    return 1000 * (cpu_seconds(pid) - cpu) / args.requests, time.perf_counter() - wall
+    asyncio.run(drive(url, requests, args.concurrency, args.tokens, stream))
+    return 1000 * (cpu_seconds(pid) - cpu) / requests, time.perf_counter() - wall
 
 
 def relay_router_cmd(kind: str, standin_url: str, port: int, vllm_router: str) -> list[str]:
@@ -76,6 +78,9 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", type=int, default=200, help="text events a streamed answer")
     parser.add_argument("--token-interval-s", type=float, default=0.005)
     parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--plain-requests", type=int, default=5000, help="the non-streamed "
+                        "pass's: a plain request costs ~0.2-0.8 ms, and /proc counts CPU in 10 ms "
+                        "ticks, so a pass of a few hundred reads to within ~30 %%")  # fmt: skip
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--routers", nargs="+", default=["dpmesh", "sglang"])
     parser.add_argument("--vllm-router", default="vllm-router", help="the vllm-router executable")
@@ -95,8 +100,10 @@ def main(argv=None) -> int:
                            timeout=120) as router:  # fmt: skip
                     warm = max(8, args.requests // 10)
                     asyncio.run(drive(router.url, warm, args.concurrency, args.tokens, True))
-                    streamed, wall = measure(router.url, router.proc.pid, args, True)
-                    plain, _ = measure(router.url, router.proc.pid, args, False)
+                    streamed, wall = measure(router.url, router.proc.pid, args, True,
+                                             args.requests)  # fmt: skip
+                    plain, _ = measure(router.url, router.proc.pid, args, False,
+                                       args.plain_requests)  # fmt: skip
                 events = args.tokens + 3  # the text events, the finish event, usage, [DONE]
                 per_event_us = 1000 * (streamed - plain) / events
                 print(f"{kind:<15} streamed {streamed:6.2f} ms CPU a request ({wall:.1f} s wall), "
