@@ -38,6 +38,9 @@ class PrefixIndex:
         # TTL), latest last, bounded: the miss reasons' "evicted" (apps/routing/decision/misses.py)
         self.lost: OrderedDict[int, int] = OrderedDict()
         self.lost_cap = LOST_KEPT
+        # no entry of any rank expires before this (the oldest last use + the TTL, or later: a
+        # lower bound, so a lookup checks one number instead of every rank's oldest entry)
+        self._expires_at = float("inf")
 
     def set_capacity(self, key: str, blocks: int | None) -> None:
         self.capacity[key] = blocks or self.default_capacity
@@ -76,11 +79,12 @@ class PrefixIndex:
     def lookup(self, digests: list[int], keys=None) -> tuple[dict[str, int], int]:
         """``match(digests, keys)`` and ``shared_blocks(digests)`` in one walk of the digests
         (the router asks both of every request)."""
-        candidates = self.ranks.keys() if keys is None else self.ranks.keys() & set(keys)
+        if self.clock() >= self._expires_at:  # expired entries leave first
+            self._expire()
+        bits = self._bits
         alive = 0
-        for key in candidates:  # expired entries leave first: what remains is within the TTL
-            self._trim(key)
-            alive |= self._bits[key]
+        for key in self.ranks if keys is None else keys:
+            alive |= bits.get(key, 0)  # a rank without entries drops out at the first block
         matched: dict[str, int] = {}
         depth = shared = 0
         owners, branching, first_child = self.owners, self.branching, self.first_child
@@ -118,6 +122,7 @@ class PrefixIndex:
             if first_child.setdefault(parent, child) != child:
                 branching.add(parent)
         now = self.clock()
+        self._expires_at = min(self._expires_at, now + self.ttl_s)
         lru = self.ranks.setdefault(key, OrderedDict())
         owners, to_end, bit = self.owners, lru.move_to_end, self._bit(key)
         get = owners.get
@@ -150,6 +155,7 @@ class PrefixIndex:
         lru = self.ranks.setdefault(key, OrderedDict())
         self.remove(key, [d for d in lru if d not in keep])
         now, bit = self.clock(), self._bit(key)
+        self._expires_at = min(self._expires_at, now + self.ttl_s)
         for digest in digests:
             if digest in lru:
                 lru.move_to_end(digest)  # the LRU stays in time order: expired entries lead
@@ -162,6 +168,15 @@ class PrefixIndex:
         for digest in self.ranks.pop(key, {}):
             self._disown(digest, key)
         self.capacity.pop(key, None)
+
+    def _expire(self) -> None:
+        """Drop every rank's expired entries; the next time one can expire."""
+        oldest = float("inf")
+        for key, lru in self.ranks.items():
+            self._trim(key)
+            if lru:
+                oldest = min(oldest, next(iter(lru.values())))
+        self._expires_at = oldest + self.ttl_s
 
     def _trim(self, key: str) -> None:
         """Evict ``key``'s least recently used digests past its capacity, and the expired ones
