@@ -5,8 +5,8 @@ The stand-in upstream (harness/standin.py) answers every ``/v1/completions`` wit
 event per read, nothing to batch); each router in turn (ours ``runrouter --dp-aware``, SGLang's
 ``sglang-router launch --dp-aware``, both cache_aware) relays ``--requests`` of them,
 ``--concurrency`` at a time, streamed, then ``--plain-requests`` not streamed. The router's user
-+ system CPU over each pass, divided by its requests, is its cost; the streamed minus the non-streamed cost,
-divided by the events, is what one event costs it::
++ system CPU over each pass, divided by its requests, is its cost; the streamed minus the
+non-streamed cost, divided by the events, is what one event costs it::
 
     .venv/bin/python -m bench.runs.stream_relay [--tokens 200] [--requests 200] \\
         [--plain-requests 5000] \\
