@@ -528,6 +528,35 @@ def test_among_a_prefix_s_holders_the_volume_term_pulls_to_the_least_loaded():
     assert policy.costs([a, b, other], s, {a.key: 4}) == pytest.approx([576 + 16, 720, 720])
 
 
+def test_a_prefix_whose_holders_carry_too_much_moves_to_a_target_well_below_them():
+    """A shared prefix held only where the volume is far above the rest (by more than the
+    prefix's own traffic would put on a target, its share x the targets, + ``move_margin``)
+    moves: a target below that takes the request with no rework charged, pulled by the volume
+    term. A prefix hot enough to overload where it would go stays, as do one whose recent
+    traffic does not pay for the copy (``move_payback``) and a private history."""
+    policy = cache_aware(volume_weight=8.0, volume_cap=0.25, balance_weight=0.0,
+                         rework_floor=8.0, rework_cap=8.0)  # fmt: skip
+    home, light, other = ts = targets(3)
+    for t in ts:  # a request running on each: the fleet is busy
+        t.load.begin(0, 0)
+    s = shape(576)  # a 512-token prefix (32 blocks) and its own 64 tokens
+    s.volume_excess = {home.key: 0.4, light.key: -0.3, other.key: -0.1}
+    s.prefix_share, s.prefix_requests = 0.06, 20.0
+    matched, prefix = {home.key: 32}, 32
+    # 0.4 - 0.06 x 3 - 0.1 = 0.12: both others are below; the lighter is pulled harder
+    assert policy.movable(ts, s, [512, 0, 0], 512, 512) == [False, True, True]
+    assert policy.choose(ts, s, matched, prefix) is light
+    s.prefix_share = 0.25  # 0.4 - 0.75 - 0.1: it would overload any target it went to
+    assert policy.movable(ts, s, [512, 0, 0], 512, 512) is None
+    assert policy.choose(ts, s, matched, prefix) is home
+    s.prefix_share, s.prefix_requests = 0.06, 5.0  # 5 x 576 tokens < 8 x the 512 copied
+    assert policy.choose(ts, s, matched, prefix) is home
+    s.prefix_requests = 20.0
+    assert policy.choose(ts, s, matched, 16) is home  # half of it is private history
+    s.volume_excess = {home.key: 0.1, light.key: -0.05, other.key: -0.05}  # near the mean
+    assert policy.choose(ts, s, matched, prefix) is home
+
+
 # ----- the decode leg of a prefill/decode-disaggregated request -----------------------------------
 def test_the_decode_leg_goes_where_the_load_is_least_whatever_it_holds():
     """Its prompt is computed: a decode rank holding all of it but running two more requests

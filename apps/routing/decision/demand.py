@@ -48,10 +48,15 @@ class PrefixDemand:
 
     def share(self, prefix: int) -> float:
         """The fraction of recent requests that matched ``prefix`` (0 for one never added)."""
+        return self.asked(prefix)[1]
+
+    def asked(self, prefix: int) -> tuple[float, float]:
+        """The recent requests that matched ``prefix`` (decayed) and their fraction of all."""
         now = self.clock()
         value, at = self.counts.get(prefix, (0.0, now))
+        value = self._decayed(value, at, now)
         total = self._decayed(self.total, self.total_at, now)
-        return self._decayed(value, at, now) / total if total > 0 else 0.0
+        return value, value / total if total > 0 else 0.0
 
 
 VOLUME_HALF_LIFE_S = 300.0  # minutes of traffic: a rank's share of the work, not its queue now

@@ -149,7 +149,9 @@ class RequestShape:
     the unit one digest covers (``block_tokens``), and whether it is a chat turn (``chat``).
     ``prefix_share`` is the router's, set before a policy reads the shape: the fraction of recent
     requests that shared the prefix this one shares (apps/routing/decision/index.py
-    ``PrefixDemand``; None: not known, and a policy takes the prefix as hot). ``volume_excess`` is
+    ``PrefixDemand``; None: not known, and a policy takes the prefix as hot), ``prefix_requests``
+    how many requests that is (decayed alike: the prefix's traffic, what a copy of it would
+    move). ``volume_excess`` is
     the router's too: each candidate's prompt tokens of the last minutes relative to the candidates'
     mean (``ServedVolume.excess``; None: not known, and a policy ignores it). ``warm`` is the
     router's too, on an idle fleet: the candidates that were their worker's rank used last and
@@ -159,7 +161,8 @@ class RequestShape:
     (apps/routing/decision/misses.py)."""
 
     __slots__ = ("digests", "prompt_tokens", "block_tokens", "chat", "prefix_share",
-                 "volume_excess", "warm", "hittable_blocks", "ids", "namespace")  # fmt: skip
+                 "prefix_requests", "volume_excess", "warm", "hittable_blocks", "ids",
+                 "namespace")  # fmt: skip
 
     def __init__(
         self,
@@ -177,6 +180,7 @@ class RequestShape:
         self.hittable_blocks = max(0, (prompt_tokens - 1) // block_tokens)
         self.chat = chat
         self.prefix_share: float | None = None
+        self.prefix_requests = 0.0
         self.volume_excess: dict[str, float] | None = None
         self.warm: frozenset[str] = frozenset()
 

@@ -139,7 +139,8 @@ class Router:
         # how hot the shared prefix is (counting this request): the policy copies only a hot one
         prefix = primary.digests[shared - 1] if 0 < shared <= len(primary.digests) else None
         self.demand.add(prefix)
-        primary.prefix_share = self.demand.share(prefix) if prefix is not None else None
+        if prefix is not None:
+            primary.prefix_requests, primary.prefix_share = self.demand.asked(prefix)
         primary.volume_excess = self.volume.excess([t.key for t in candidates])
         if role != "decode" and not any(t.load.inflight for t in candidates):
             # an idle fleet: the rank used last keeps the ties while the request fits its cache
