@@ -148,7 +148,7 @@ class RequestShape:
     """A request as the router routes it: its digests, its prompt size in tokens (or an estimate),
     the unit one digest covers (``block_tokens``), and whether it is a chat turn (``chat``).
     ``prefix_share`` is the router's, set before a policy reads the shape: the fraction of recent
-    requests that shared the prefix this one shares (apps/routing/decision/index.py
+    requests that shared the prefix this one shares (apps/routing/decision/demand.py
     ``PrefixDemand``; None: not known, and a policy takes the prefix as hot), ``prefix_requests``
     how many requests that is (decayed alike: the prefix's traffic, what a copy of it would
     move). ``volume_excess`` is
