@@ -167,7 +167,9 @@ def test_dashboard_shows_live_hit_rates_equal_to_the_engines_metrics(fleet, brow
     workload.join()
     # the hit rates moved while the page stayed the same document: live updates, no reload
     assert js(browser, "window.__sameDocument === true")
-    assert js(browser, "window.dashboardSnapshots") > snapshots_before + 2
+    # at least two pushes while it ran (each rank's rate below takes two values, so two are
+    # needed; a ~3 s run at one scrape a second gives two or three, more on a slower host)
+    assert js(browser, "window.dashboardSnapshots") >= snapshots_before + 2
     for key in keys:
         assert len(seen[key] - {"–"}) >= 2, (
             f"{key}: the hit rate never moved during the run: {seen[key]}"
