@@ -175,6 +175,25 @@ def router_command(
     return [*cmd, "--port", str(port), *extra]
 
 
+def wait_for_prompt_ids(router_url: str, timeout_s: float = 15.0) -> bool:
+    """Wait until our router at ``router_url`` sends every vLLM worker of its fleet a completion's
+    text prompt as token ids (``GET /workers`` ``prompt_ids``: its check of their ``/tokenize``
+    has answered yes); False when ``timeout_s`` passed first (prompts then go as text). A bench
+    that compares routers waits for it so as not to time ours sending text."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            workers = httpx.get(router_url + "/workers", timeout=5).json()["workers"]
+        except (httpx.HTTPError, ValueError, KeyError):
+            workers = None
+        vllm = [w for w in workers or () if w.get("flavour") == "vllm"]
+        if workers is not None and all(w.get("prompt_ids") for w in vllm):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+
+
 def sglang_router_command(
     worker_urls: str | Sequence[str], *extra: str, port: int, policy: str, exe: str | None = None
 ) -> list[str]:

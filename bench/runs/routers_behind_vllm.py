@@ -29,7 +29,6 @@ import argparse
 import asyncio
 import json
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
@@ -39,7 +38,7 @@ from bench.oracle import oracle_cached
 from bench.runs.routers_on_our_engine import measure, row, tokenizer
 from bench.summary import distribution_ms
 from engine.tiny import ensure_tiny_model
-from harness.procs import free_port, router_command, start
+from harness.procs import free_port, router_command, start, wait_for_prompt_ids
 from harness.vllm import start_vllm, vllm_venv
 
 TARGETS = ["vllm-balancer", "dpmesh:cache_aware", "vllm-router:cache_aware", "vllm-router:kv_aware"]
@@ -108,8 +107,8 @@ def run_target(
     salt = args.targets.index(spec) if args.vllm == "per-round" else 0
     try:
         base = router.url if router else server.url
-        if router and spec.startswith("dpmesh"):
-            time.sleep(2)  # its /tokenize check (apps/routing/feeds/prompt_ids.py) has answered
+        if router and spec.startswith("dpmesh") and not spec.startswith("dpmesh-text-prompts"):
+            wait_for_prompt_ids(router.url)  # apps/routing/feeds/prompt_ids.py has answered
         for i, concurrency in enumerate(args.concurrency):
             out.append(
                 run_workload(spec, args, tok, server, base, concurrency, round_, i + 10 * salt)

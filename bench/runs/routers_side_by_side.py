@@ -35,7 +35,7 @@ import httpx
 from bench import datasets
 from bench.runs.routers_on_our_engine import tokenizer
 from engine.tiny import ensure_tiny_model
-from harness.procs import free_port, router_command, start, start_engine
+from harness.procs import free_port, router_command, start, start_engine, wait_for_prompt_ids
 from harness.vllm import start_vllm, vllm_venv
 
 
@@ -144,7 +144,9 @@ def main(argv=None) -> int:
                 )  # fmt: skip
             )
             urls[name] = router.url
-        time.sleep(3)  # our router's /tokenize check has answered
+        for name in urls:
+            if name.startswith("dpmesh") and name != "dpmesh-text-prompts":
+                wait_for_prompt_ids(urls[name])
         print("| pass | router | TTFT p50 ms | TTFT mean ms | rest mean ms | e2e p50 ms "
               "| e2e mean ms |\n|---:|---|---:|---:|---:|---:|---:|", flush=True)  # fmt: skip
         for p in range(args.passes):
