@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import asyncio
 
-from django.conf import settings
-
 from apps.replicas.runtime import SCOPE_KEY, runtime_of
 from apps.routing.decision.request_shape import tokenizer_or_none
 from apps.routing.decision.router import Router
@@ -45,7 +43,7 @@ class LiveFleet:
         installed = self.router.fleet.workers.get(view.worker_id)
         if installed is None:
             return
-        if prompt_ids.wanted(installed) and settings.CONTROL_PLANE.get("PROMPT_IDS", True):
+        if prompt_ids.enabled() and prompt_ids.wanted(installed):
             self._in_background(prompt_ids.check(installed))
 
     def _in_background(self, coro) -> None:

@@ -8,10 +8,9 @@ import os
 import re
 from urllib.parse import urlsplit
 
-from django.conf import settings
-
 from apps.replicas.discovery import effective_info, rank_fields, role_of
 from apps.routing.decision.fleet import WorkerView
+from apps.routing.feeds import prompt_ids
 from engine.digests import SCHEME
 
 
@@ -60,9 +59,7 @@ def view_of(worker, tokenizer_path: str | None = None) -> WorkerView:
         # our own engine takes the ids beside the text, from its own tokenizer files (no probe:
         # the same files, the same encode_text); a vLLM's is set by its /tokenize check
         # (apps/routing/live.py, apps/routing/feeds/prompt_ids.py)
-        prompt_ids=bool(
-            own and flavour == "dpmesh" and settings.CONTROL_PLANE.get("PROMPT_IDS", True)
-        ),
+        prompt_ids=bool(own and flavour == "dpmesh" and prompt_ids.enabled()),
         pin_check={
             path: result["honoured"]
             for path, result in (info.get("pin_check") or {}).items()

@@ -26,6 +26,8 @@ import asyncio
 import json
 import logging
 
+from django.conf import settings
+
 from apps.routing.decision.request_shape import tokenizer_or_none
 from controlplane import http
 from engine.tokenize_cache import encode_text
@@ -91,6 +93,12 @@ async def check(view) -> None:
             "go to it as text",
             view.url,
         )
+
+
+def enabled() -> bool:
+    """``CONTROL_PLANE_PROMPT_IDS``: prompts go to engines as ids at all (off: text only). A
+    settings dict a test replaced whole may lack it: on, the default."""
+    return settings.CONTROL_PLANE.get("PROMPT_IDS", True)
 
 
 def wanted(view) -> bool:
