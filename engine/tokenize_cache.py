@@ -35,13 +35,13 @@ from itertools import pairwise
 import xxhash
 from tokenizers import Tokenizer as Backend
 
-from engine.tokenizer import encode_batch_fast
+from engine.tokenizer import GIL_FREE_CHARS, encode_batch_fast
 
 logger = logging.getLogger(__name__)
 
 # A cut: a space after a non-space character and before a letter.
 _CUT = re.compile(r"(?<=\S) (?=[^\W\d_])")
-STRIDE = 2048  # characters per chunk
+STRIDE = 512  # characters per chunk (texts of two chunks or more go through the cache)
 VERIFY_FIRST = 8  # multi-chunk answers checked against a full encode while a cache is new
 VERIFY_EVERY = 256  # then one in this many
 _PROBE = (
@@ -134,6 +134,13 @@ class PrefixTokenCache:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _encode_batch(self, chunks: list[str]) -> list[list[int]]:
+        """Each chunk's ids: a few short ones (a cached prefix's new tail) one by one, holding the
+        GIL as the tokenizer's single call does for a short text (engine/tokenizer.py
+        ``GIL_FREE_CHARS``); more in the batch call, which releases it and spreads them on the
+        library's threads."""
+        if sum(map(len, chunks)) < GIL_FREE_CHARS:
+            encode = self.backend.encode
+            return [encode(chunk, add_special_tokens=False).ids for chunk in chunks]
         return encode_batch_fast(self.backend, chunks, add_special_tokens=False)
 
     def _encode_chunks(self, text: str, cuts: list[int]) -> list[int]:

@@ -127,6 +127,24 @@ def test_answers_are_checked_while_new_then_one_in_many(tiny, corpus, monkeypatc
     assert len(checks) == tokenize_cache.VERIFY_FIRST + 1
 
 
+def test_prompts_of_a_few_thousand_characters_sharing_a_prefix_encode_only_their_tail(tiny, corpus):
+    """The router tokenizes every prompt to route it, on its event loop below
+    ``OFF_LOOP_CHARS``: a system prompt or a few-shot prefix of ~3,500 characters under ~400
+    characters of question is taken from the cache after its first request (encode_text, the
+    router's call), its new tail encoded in one call."""
+    cache = tokenize_cache.prefix_token_cache(tiny)
+    prefix = corpus[100_000:103_500]
+    questions = [corpus[200_000 + 1_000 * i :][:400] for i in range(4)]
+    for i, question in enumerate(questions):
+        text = f"{prefix} {question}"
+        cached, encoded = cache.cached_chars, cache.encoded_chars
+        assert tokenize_cache.encode_text(tiny, text) == tiny.encode(text, add_special_tokens=False)
+        if i:  # the prefix's chunks are known: the tail and the chunk it finishes, no more
+            assert cache.cached_chars - cached >= len(prefix) - tokenize_cache.STRIDE
+            assert cache.encoded_chars - encoded < len(question) + tokenize_cache.STRIDE
+    assert cache.mismatches == 0 and cache.enabled
+
+
 def test_a_transformers_fast_tokenizer_gets_one_too(corpus):
     """The real engine's front encodes with transformers' tokenizer: its ``tokenizers`` backend
     is cut the same way, and the ids stay those of its own ``encode``."""
