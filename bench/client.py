@@ -67,9 +67,15 @@ async def send(
                 text = (await response.aread()).decode(errors="replace")
                 result.error = f"HTTP {response.status_code}: {text[:300]}"
                 return _finish(result)
+            over = False
             async for line in response.aiter_lines():
+                if over:
+                    continue  # after [DONE], read to the stream's end: as OpenAI's SDK does, so
+                    # the connection goes back to the pool instead of being closed unread
                 if not chunks.feed(line):
-                    break
+                    if not result.done:
+                        break  # an error event
+                    over = True
     except (httpx.HTTPError, OSError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
         return _finish(result)

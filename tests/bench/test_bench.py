@@ -246,6 +246,43 @@ async def test_send_reads_timing_usage_rank_and_errors():
     assert not died.ok and "died" in died.error
 
 
+async def test_a_stream_is_read_to_its_end_and_its_connection_used_again():
+    """After ``[DONE]`` the client reads the stream's end (its last chunk), as OpenAI's SDK and
+    vLLM's bench do: the connection goes back to the pool. Closing it unread instead had every
+    streamed request open a connection of its own, which no real client does (and which hid a
+    server's delayed-ACK stall that only a reused connection shows: docs/benchmarks.md)."""
+    connections = []
+
+    async def serve(reader, writer):
+        connections.append(writer)
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            await answer(reader, writer)
+
+    async def answer(reader, writer):
+        while head := await reader.readuntil(b"\r\n\r\n"):
+            length = next(
+                int(line.split(b":")[1])
+                for line in head.split(b"\r\n")
+                if line.lower().startswith(b"content-length:")
+            )
+            await reader.readexactly(length)
+            events = _sse({"choices": [{"index": 0, "text": "a"}]}, b"[DONE]")
+            writer.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                b"transfer-encoding: chunked\r\n\r\n"
+                + b"%x\r\n%s\r\n0\r\n\r\n"
+                % (len(events), events)
+            )
+            await writer.drain()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    async with server, httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+        results = [await send(client, "/v1/completions", {"stream": True}) for _ in range(3)]
+    assert all(r.ok and r.done and r.text == "a" for r in results)
+    assert len(connections) == 1
+
+
 async def test_conversations_carry_replies_and_respect_the_concurrency_cap():
     seen, inflight, peak = [], [0], [0]
 
