@@ -8,7 +8,9 @@ character prompt is 55-75 ms of one core). ``PrefixTokenCache`` cuts a text into
 ``stride`` characters, always just before a word that follows a space (" word"); keeps each
 chunk's ids under the chained hash of the text up to the chunk's end; and encodes only the chunks
 after the longest prefix it knows, all in one batch call (the library encodes them in parallel,
-without the GIL). llm-d's prefix-cache scorer keeps a tokenization prefix store in the same spirit.
+without the GIL), or, a tail under ``GIL_FREE_CHARS``, with the single call that keeps the GIL (the
+router's loop then never waits a switch interval to get it back). llm-d's prefix-cache scorer
+keeps a tokenization prefix store in the same spirit.
 
 Why it is exact: a byte-level BPE pre-tokenizer (GPT-2's and Llama 3's regexes: most Hugging Face
 tokenizers) always starts a new piece at " word" after a non-space, and BPE never merges across
