@@ -66,9 +66,7 @@ def ttft(results) -> dict:
 
 def run_target(spec: str, args, samples, concurrency: int, workdir: Path, slug: str) -> dict:
     kind, _, policy = spec.partition(":")  # dpmesh or sglang, cache_aware unless named
-    engine_args = ["--dp-size", str(args.dp_size), "--num-kv-blocks", str(args.num_kv_blocks)]
-    if args.simulate != "none":
-        engine_args += ["--simulate", args.simulate, "--simulate-speedup", "1"]
+    engine_args = routers_under_skew.engine_args(args)
     with start_engine(workdir, *engine_args, name=f"engine-{slug}") as engine:
         port = free_port()
         env = {"DATABASE_URL": f"sqlite:///{workdir}/{slug}.sqlite3"}

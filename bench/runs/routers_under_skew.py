@@ -75,14 +75,19 @@ def oracle(name: str, results, sent, tok) -> int:
     return sum(oracle_cached(prompts))
 
 
+def engine_args(args) -> list[str]:
+    """``runengine``'s flags for the engine these runs use (DP N, its KV pool, the simulation)."""
+    out = ["--dp-size", str(args.dp_size), "--num-kv-blocks", str(args.num_kv_blocks)]
+    if args.simulate != "none":
+        out += ["--simulate", args.simulate, "--simulate-speedup", "1"]
+    return out
+
+
 def run_target(spec: str, name: str, args, tok, workdir: Path, seed: int) -> dict:
     kind, _, policy = spec.partition(":")
-    engine_args = ["--dp-size", str(args.dp_size), "--num-kv-blocks", str(args.num_kv_blocks)]
-    if args.simulate != "none":
-        engine_args += ["--simulate", args.simulate, "--simulate-speedup", "1"]
     slug = f"{spec.replace(':', '-')}-{name}-{seed}"
     sent, concurrency = workload(name, args, tok, seed)
-    with start_engine(workdir, *engine_args, name=f"engine-{slug}") as engine:
+    with start_engine(workdir, *engine_args(args), name=f"engine-{slug}") as engine:
         port = free_port()
         env = {"DATABASE_URL": f"sqlite:///{workdir}/{slug}.sqlite3"}
         with start(router_cmd(kind, policy, engine.url, port), f"http://127.0.0.1:{port}",
