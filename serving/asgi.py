@@ -172,8 +172,9 @@ async def send_chunk(send, data: bytes):
 # ``whole_body()`` (the body, when all of it has arrived), ``respond(status, content_type,
 # headers, body)`` (a whole answer in one write), for a streamed answer ``ready()`` (it has
 # started, chunked), ``write(data)`` (one chunk, callable outside the request's task),
-# ``paused`` (the client's buffer is full) and ``await drain()``, and ``on_lost`` (called when
-# the client leaves before the answer is whole) with ``disconnected``. Where it is absent
+# ``paused`` (the client's buffer is full) and ``await drain()``, ``on_lost`` (called when
+# the client leaves before the answer is whole) with ``disconnected``, and ``body_at`` (the
+# ``time.perf_counter()`` at which the body's last byte was parsed, or None). Where it is absent
 # (daphne), the same goes through ``receive`` and ``send``.
 DIRECT_BODY = "dpmesh.direct_body"
 

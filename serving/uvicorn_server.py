@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import (
@@ -75,6 +76,12 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             live.append(direct)
             self.directs = live
 
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        direct = self.directs[-1] if self.directs else None
+        if direct is not None and direct.cycle is self.cycle:
+            direct.body_at = time.perf_counter()
+
     def connection_lost(self, exc) -> None:
         self._disarm()
         super().connection_lost(exc)
@@ -101,11 +108,12 @@ class DirectBody:
     """One request's connection, for a caller that wants less than ASGI's round trips: the same
     framing and state changes uvicorn's ``send`` and ``receive`` make, done in place."""
 
-    __slots__ = ("cycle", "on_lost")
+    __slots__ = ("cycle", "on_lost", "body_at")
 
     def __init__(self, cycle):
         self.cycle = cycle
         self.on_lost = None  # called when the client leaves before its answer is whole
+        self.body_at: float | None = None  # perf_counter() when the body's last byte was parsed
 
     @property
     def disconnected(self) -> bool:

@@ -15,6 +15,7 @@ so its requests reach only that stand-in.
 
 from __future__ import annotations
 
+import http.client
 import itertools
 import json
 import re
@@ -549,6 +550,28 @@ def test_each_answer_says_what_the_router_itself_took(cluster):
         overhead_ms = float(r.headers["x-dpmesh-overhead-duration-ms"])
         assert 0 < overhead_ms < took_ms, (overhead_ms, took_ms)
     assert counter(cluster.url, "dpmesh_router_overhead_seconds_count") == seen + 2
+
+
+def test_the_router_does_not_count_the_clients_own_time_sending_its_body(cluster):
+    """A client that sends its head, then its body half a second later: the router's own time
+    (the header and the histogram) leaves that half second out; it was the client's."""
+    host, port = cluster.url.removeprefix("http://").split(":")
+    body = json.dumps({"model": "tiny", "prompt": "a body sent late", "max_tokens": 2}).encode()
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        conn.putrequest("POST", "/v1/completions")
+        conn.putheader("Content-Type", "application/json")
+        conn.putheader("Content-Length", str(len(body)))
+        conn.endheaders()
+        time.sleep(0.5)
+        conn.send(body)
+        r = conn.getresponse()
+        assert r.status == 200, r.read()[:300]
+        overhead_ms = float(r.getheader("x-dpmesh-overhead-duration-ms"))
+        r.read()
+    finally:
+        conn.close()
+    assert 0 < overhead_ms < 250, overhead_ms  # the half second is not in it
 
 
 def test_a_client_that_never_finishes_its_headers_is_cut_off(cluster):

@@ -150,6 +150,7 @@ class OpenAIEndpoint:
         """Read the body, then serve it; the body's size in bytes (0 when none was read)."""
         size = 0
         try:
+            waiting = time.perf_counter()
             raw = await read_body(receive, limit, scope, self.body_timeout_s)
             size = len(raw)
             body = parse(raw)
@@ -164,6 +165,12 @@ class OpenAIEndpoint:
         except ProxyError as exc:
             await send_body(send, exc.status, exc.body())
             return size
+        # the router's own time leaves out the client's: the body's way here, from the wait for
+        # it to its last byte (a client writes head and body apart, or trickles the body); where
+        # the server does not say when that was (daphne), the whole wait counts
+        body_at = send.direct.body_at if send.direct is not None else None
+        if body_at is not None and body_at > waiting:
+            arrived += body_at - waiting
         try:
             pin = client_rank(self.router, body, scope)
             priority = request_priority(scope)
