@@ -26,6 +26,7 @@ from apps.replicas.discovery import (
     fetch_server_info,
     role_of,
     stable_info,
+    wanted_lines,
 )
 from apps.replicas.models import RankSample, Worker, WorkerEvent
 from apps.replicas.pin_check import check_pins
@@ -81,12 +82,6 @@ _METRIC_MAP = {
 _WANTED_PREFIXES = tuple(_METRIC_MAP)
 
 
-def wanted_lines(text: str, prefixes: tuple[str, ...] = _WANTED_PREFIXES) -> str:
-    """Only the sample lines of ``text`` whose metric name starts with one of ``prefixes``: what
-    a parser need read (without their TYPE lines, a counter's samples keep their ``_total``)."""
-    return "\n".join(line for line in text.splitlines() if line.startswith(prefixes))
-
-
 def parse_engine_metrics(
     text: str, capacity_blocks: int | None = None
 ) -> dict[int | None, dict[str, float]]:
@@ -99,7 +94,7 @@ def parse_engine_metrics(
     found them: ``num_kv_blocks_per_rank``) and ``kv_blocks_used`` = that fraction of it,
     rounded; without a known capacity it gets neither. An engine's own counts (ours) are kept."""
     out: dict[int | None, dict[str, float]] = {}
-    for family in text_string_to_metric_families(wanted_lines(text)):
+    for family in text_string_to_metric_families(wanted_lines(text, _WANTED_PREFIXES)):
         for sample in family.samples:
             # by sample name: exporters differ in whether the TYPE line carries "_total"
             field = _METRIC_MAP.get(sample.name) or _METRIC_MAP.get(

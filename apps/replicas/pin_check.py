@@ -33,7 +33,7 @@ import time
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from apps.replicas.discovery import rank_fields
+from apps.replicas.discovery import rank_fields, wanted_lines
 from controlplane import http
 
 logger = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ async def _counts(url: str, api_key: str, timeout_s: float) -> dict[int, float] 
     if status != 200:
         return None
     out: dict[int, float] = {}
-    for family in text_string_to_metric_families(text):
+    for family in text_string_to_metric_families(wanted_lines(text, COUNTERS)):
         for sample in family.samples:
             name = sample.name.removesuffix("_total")
             label = sample.labels.get("rank", sample.labels.get("engine"))
