@@ -35,6 +35,7 @@ import httpx
 
 from bench import datasets
 from bench.oracle import oracle_cached
+from bench.runs.routers_at_fleet_scale import cpu_seconds
 from bench.runs.routers_on_our_engine import measure, row, tokenizer
 from bench.summary import distribution_ms
 from engine.tiny import ensure_tiny_model
@@ -44,7 +45,8 @@ from harness.vllm import start_vllm, vllm_venv
 TARGETS = ["vllm-balancer", "dpmesh:cache_aware", "vllm-router:cache_aware", "vllm-router:kv_aware"]
 # also: dpmesh-no-time-check:cache_aware (ours with --time-check off), dpmesh-workers2:cache_aware
 # (ours as runrouter --workers 2, with --redis-url), dpmesh-text-prompts:cache_aware (ours sending
-# the prompts' text, not their ids: CONTROL_PLANE_PROMPT_IDS=false)
+# the prompts' text, not their ids: CONTROL_PLANE_PROMPT_IDS=false), dpmesh-quiet:cache_aware
+# (ours with vLLM's KV-event feed off and no /metrics scrape during the run: what they cost)
 
 
 SESSIONS = ("shared", "own")
@@ -60,7 +62,7 @@ SESSIONS_HELP = (
 
 def router_cmd(spec: str, server, port: int, vllm_router: str) -> list[str] | None:
     kind, _, policy = spec.partition(":")
-    if kind in ("dpmesh", "dpmesh-text-prompts"):
+    if kind in ("dpmesh", "dpmesh-text-prompts", "dpmesh-quiet"):
         return router_command(server.url, port=port, policy=policy)
     if kind == "dpmesh-no-time-check":  # ours with the policy's choices unchecked (A/B)
         return router_command(server.url, "--time-check", "off", port=port, policy=policy)
@@ -100,6 +102,8 @@ def run_target(
         env["REDIS_URL"] = args.redis_url
     if spec.startswith("dpmesh-text-prompts"):
         env["CONTROL_PLANE_PROMPT_IDS"] = "false"
+    if spec.startswith("dpmesh-quiet"):
+        env |= {"CONTROL_PLANE_KV_EVENTS": "false", "CONTROL_PLANE_SCRAPE_INTERVAL_S": "3600"}
     router = None
     if cmd is not None:
         router = start(cmd, f"http://127.0.0.1:{port}", workdir / f"{spec}-{round_}.log",
@@ -110,8 +114,9 @@ def run_target(
         if router and spec.startswith("dpmesh") and not spec.startswith("dpmesh-text-prompts"):
             wait_for_prompt_ids(router.url)  # apps/routing/feeds/prompt_ids.py has answered
         for i, concurrency in enumerate(args.concurrency):
+            pid = router.proc.pid if router else None
             out.append(
-                run_workload(spec, args, tok, server, base, concurrency, round_, i + 10 * salt)
+                run_workload(spec, args, tok, server, base, concurrency, round_, i + 10 * salt, pid)
             )
     finally:
         if router:
@@ -133,23 +138,49 @@ def warm_up(args, tok, server, round_: int) -> None:
         asyncio.run(measure(server.url, server.url, samples, concurrency))
 
 
-def run_workload(spec, args, tok, server, base: str, concurrency: int, round_: int, i: int):
+def run_workload(
+    spec,
+    args,
+    tok,
+    server,
+    base: str,
+    concurrency: int,
+    round_: int,
+    i: int,
+    router_pid: int | None = None,
+):
+    """One cell; ``router_pid``: the router's process, whose CPU per request (its tree, from
+    /proc) the row reports: on these 2 cores every router CPU-millisecond is one vLLM-CPU's
+    busy-polling processes wait for."""
     allowed = datasets.allowed_token_ids(len(tok), tok)
     samples = datasets.prefix_repetition(
         num_prompts=args.num_prompts, prefix_len=args.prefix_len, suffix_len=args.suffix_len,
         num_prefixes=args.num_prefixes, output_len=args.output_len,
         seed=args.seed + 100 * round_ + i, allowed=allowed, tokenizer=tok, as_text=True,
     )  # fmt: skip
+    cpu0 = cpu_seconds(router_pid) if router_pid else 0.0
     results, duration_s, diff = asyncio.run(measure(server.url, base, samples, concurrency))
+    cpu_ms = 1000 * (cpu_seconds(router_pid) - cpu0) / len(samples) if router_pid else 0.0
     prompts = [tok.encode(s.prompt, add_special_tokens=False) for s in samples]
     oracle = sum(oracle_cached(prompts, block_size=32))
     r = {"round": round_, "concurrency": concurrency, **row(spec, results, oracle, diff, 2)}
     r["ttft_mean_ms"] = distribution_ms(x.ttft for x in results if x.ok)["mean"]
     r["total_s"] = duration_s
+    # where a request's time goes after its first token (the rest of the answer, to its last
+    # byte) and between requests (the run's time a request, per connection, less its latency)
+    ok = [x for x in results if x.ok]
+    r["rest_mean_ms"] = 1000 * sum(x.latency - x.ttft for x in ok) / max(1, len(ok))
+    r["gap_mean_ms"] = 1000 * (
+        duration_s * concurrency / max(1, len(results))
+        - sum(x.latency for x in ok) / max(1, len(ok))
+    )
+    r["router_cpu_ms_per_request"] = cpu_ms
     print(f"round {round_} c={concurrency} {spec:<24} ok {r['ok']} hit {r['hit_rate']:.3f} "
           f"vs-allowed {r['hits_vs_oracle']:.3f} max/mean {r['prompt_max_mean']:.2f} "
           f"TTFT p50 {r['ttft_p50_ms']:.1f} mean {r['ttft_mean_ms']:.1f} "
-          f"p99 {r['ttft_p99_ms']:.0f} ms total {duration_s:.2f} s", flush=True)  # fmt: skip
+          f"p99 {r['ttft_p99_ms']:.0f} ms total {duration_s:.2f} s "
+          f"rest {r['rest_mean_ms']:.2f} gap {r['gap_mean_ms']:.2f} ms "
+          f"router CPU {cpu_ms:.2f} ms/request", flush=True)  # fmt: skip
     if spec.startswith("dpmesh"):  # what our router's time model learnt so far
         workers = httpx.get(base + "/workers", timeout=10).json()["workers"]
         r["timing"] = [w.get("timing") for w in workers]
@@ -206,12 +237,14 @@ def main(argv=None) -> int:
                 for spec in order:
                     rows += run_target(spec, args, tok, venv, Path(tmp), round_, server)
     print("\n| round | concurrency | target | hits / allowed | prompt tokens max/mean "
-          "| TTFT p50 ms | TTFT mean ms | TTFT p99 ms | total s |\n"
-          "|---:|---:|---|---:|---:|---:|---:|---:|---:|")  # fmt: skip
+          "| TTFT p50 ms | TTFT mean ms | TTFT p99 ms | total s | rest ms | gap ms "
+          "| router CPU ms/request |\n"
+          "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")  # fmt: skip
     for r in rows:
         print(f"| {r['round']} | {r['concurrency']} | {r['router']} | {r['hits_vs_oracle']:.3f} | "
               f"{r['prompt_max_mean']:.2f} | {r['ttft_p50_ms']:.1f} | {r['ttft_mean_ms']:.1f} | "
-              f"{r['ttft_p99_ms']:.0f} | {r['total_s']:.2f} |")  # fmt: skip
+              f"{r['ttft_p99_ms']:.0f} | {r['total_s']:.2f} | {r['rest_mean_ms']:.2f} | "
+              f"{r['gap_mean_ms']:.2f} | {r['router_cpu_ms_per_request']:.2f} |")  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0
