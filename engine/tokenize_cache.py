@@ -43,7 +43,7 @@ logger = logging.getLogger(__name__)
 
 # A cut: a space after a non-space character and before a letter.
 _CUT = re.compile(r"(?<=\S) (?=[^\W\d_])")
-STRIDE = 512  # characters per chunk (texts of two chunks or more go through the cache)
+STRIDE = 256  # characters per chunk (texts of two chunks or more go through the cache)
 VERIFY_FIRST = 8  # multi-chunk answers checked against a full encode while a cache is new
 VERIFY_EVERY = 256  # then one in this many
 _PROBE = (
