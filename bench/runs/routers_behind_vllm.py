@@ -10,7 +10,9 @@ read as the routers'. Workload: vLLM's prefix_repetition shape with many prefixe
 512 tokens, 64-token suffixes, 100 prompts, 16 output tokens; flags change
 each), sent as text, at each ``--concurrency`` (1 and 8). ``--rounds N`` takes the targets in
 turn N times (interleaved), each round with prefixes of its own; reported per row: hits against
-the block-rule oracle, balance, TTFT p50 / mean / p99 and the run's total time.
+the block-rule oracle, balance, TTFT p50 / mean / p99, the run's total time, the rest of a request
+after its first token, the time between a connection's requests, and the router's CPU a request
+(its process tree's, from /proc).
 
     .venv/bin/python -m bench.runs.routers_behind_vllm [--vllm-router PATH] [--json out.json]
         [--sessions shared|own]
