@@ -157,3 +157,43 @@ def test_history_stored_before_the_router_routed_there_is_no_mismatch():
     batch = decoder.decode(99, payload(stored_map([11, 12, 13, 14], None, TOKENS)))
     decoder.check_language([d for _, ds in batch.events for d in ds])
     assert decoder.mismatch is None and decoder.routed_hits == 4
+
+
+async def test_the_reader_hands_on_a_burst_whole_and_in_order():
+    """``follow`` reads its ZMQ socket when the loop sees the descriptor ready, and ZMQ signals
+    edges: a reader that waited after one message of a burst would sit on the rest until the
+    next burst. A real publisher sends 500 messages back to back; every one arrives, in order."""
+    import asyncio
+
+    import zmq
+
+    from apps.routing.feeds.vllm_events import follow
+    from harness.procs import free_port
+
+    context = zmq.Context()
+    publisher = context.socket(zmq.PUB)
+    publisher.setsockopt(zmq.LINGER, 0)
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    publisher.bind(endpoint)
+    seen: list[int] = []
+    reader = asyncio.ensure_future(follow(endpoint, lambda seq, _: seen.append(seq)))
+    try:
+        seq = 0
+        while not seen:  # until the subscription has reached the publisher (ZMQ's slow joiner)
+            publisher.send_multipart([b"", seq.to_bytes(8, "big"), b"probe"])
+            seq += 1
+            await asyncio.sleep(0.02)
+        first = seq
+        for seq in range(first, first + 500):
+            publisher.send_multipart([b"", seq.to_bytes(8, "big"), b"x" * 200])
+        for _ in range(250):
+            if seen[-1] == first + 499:
+                break
+            await asyncio.sleep(0.02)
+        burst = [s for s in seen if s >= first]
+        assert burst == list(range(first, first + 500))
+    finally:
+        reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
+        publisher.close()
+        context.term()
