@@ -118,8 +118,8 @@ def run_target(
         base = router.url if router else server.url
         if router and spec.startswith("dpmesh") and not spec.startswith("dpmesh-text-prompts"):
             wait_for_prompt_ids(router.url)  # apps/routing/feeds/prompt_ids.py has answered
+        pid = router.proc.pid if router else None
         for i, concurrency in enumerate(args.concurrency):
-            pid = router.proc.pid if router else None
             row = run_workload(
                 spec, args, tok, server, base, concurrency, round_, i + 10 * salt, pid
             )
@@ -261,7 +261,7 @@ def main(argv=None) -> int:
           "| router CPU ms/request |\n"
           "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")  # fmt: skip
     for r in rows:
-        print(f"| {r['round']} | {r.get('pass', 0)} | {r['concurrency']} | {r['router']} | "
+        print(f"| {r['round']} | {r['pass']} | {r['concurrency']} | {r['router']} | "
               f"{r['hits_vs_oracle']:.3f} | "
               f"{r['prompt_max_mean']:.2f} | {r['ttft_p50_ms']:.1f} | {r['ttft_mean_ms']:.1f} | "
               f"{r['ttft_p99_ms']:.0f} | {r['total_s']:.2f} | {r['rest_mean_ms']:.2f} | "
