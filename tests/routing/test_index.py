@@ -294,3 +294,36 @@ def test_served_volume_keeps_peers_shares_theirs_and_decays_over_hours():
     assert a.excess(["x", "y"]) == pytest.approx({"x": -1.0, "y": 1.0}, abs=1e-9)
     clock.now += 100
     assert a.own("y") == pytest.approx(500)
+
+
+def test_inserting_the_rank_s_latest_blocks_again_is_a_no_op_until_they_need_renewing(clock):
+    from apps.routing.decision.index import RENEW_AFTER_S
+
+    index = PrefixIndex(ttl_s=100.0, default_capacity=6, clock=clock)
+    index.insert("r0", [1, 2, 3])
+    index.insert("r0", [7, 8])
+    clock.now += 10.0
+    index.insert("r0", [1, 2, 3])  # not its latest: renewed, now the most recent
+    renewed_at = clock.now
+    assert list(index.ranks["r0"]) == [8, 7, 3, 2, 1]
+    clock.now += RENEW_AFTER_S / 2
+    index.insert("r0", [1, 2, 3])  # its latest, just now: left as it is
+    assert set(index.ranks["r0"].values()) == {renewed_at, renewed_at - 10.0}
+    clock.now += RENEW_AFTER_S
+    index.insert("r0", [1, 2, 3])  # older than that: its timestamps move (the TTL counts from them)
+    assert index.ranks["r0"][1] == clock.now
+
+    # a block the engine evicted comes back with the next insert of the same blocks
+    index.remove("r0", [2])
+    index.insert("r0", [1, 2, 3])
+    assert index.match([1, 2, 3]) == {"r0": 3}
+    # so does one the LRU evicted: [4, 5, 6, 9] pushes the oldest out
+    index.insert("r0", [4, 5, 6, 9])
+    assert index.size("r0") == 6 and index.match([1, 2, 3]) != {"r0": 3}
+    index.insert("r0", [1, 2, 3])
+    assert index.match([1, 2, 3]) == {"r0": 3}
+    # and after a snapshot replaced the rank's set
+    index.replace("r0", [1])
+    index.insert("r0", [1, 2, 3])
+    assert index.match([1, 2, 3]) == {"r0": 3}
+    assert_consistent(index)

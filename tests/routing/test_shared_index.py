@@ -72,6 +72,30 @@ def test_apply_takes_other_processes_inserts_for_known_targets_only():
     assert sync.apply(b"not json") == 0
 
 
+def test_a_well_formed_message_is_checked_as_it_is_decoded_and_repeats_are_sent_once():
+    router = Router(RouterConfig())
+    router.fleet.put(worker_view(1, url="http://w1", dp_size=2))
+    sync = IndexSync(router, "redis://unused")
+    batch = [("http://w1@0", [1, 2]), ("http://w1@0", [1, 2]), ("http://w1@1", [1, 2]),
+             ("http://w1@0", [5]), ("http://w1@0", [1, 2])]  # fmt: skip
+    # a prompt sent again to the same target is published once, as long as nothing came between
+    assert shared_index.same_once(batch) == [batch[0], batch[2], batch[3], batch[4]]
+    message = shared_index.encode({"from": "b", "inserts": shared_index.same_once(batch)})
+    assert shared_index.decode_message(message).inserts == [
+        ("http://w1@0", [1, 2]), ("http://w1@1", [1, 2]), ("http://w1@0", [5]),
+        ("http://w1@0", [1, 2]),
+    ]  # fmt: skip
+    assert sync.apply(message) == 4
+    assert router.index.match([1, 2]) == {"http://w1@0": 2, "http://w1@1": 2}
+    # a digest that is not an integer (a bool is not either) fails the typed decode: that item
+    # alone is skipped, the lenient way
+    mixed = shared_index.encode(
+        {"from": "b", "inserts": [["http://w1@1", [7, True]], ["http://w1@1", [8, 9]]]}
+    )
+    assert sync.apply(mixed) == 1 and router.index.match([8, 9]) == {"http://w1@1": 2}
+    assert router.index.match([7]) == {}
+
+
 def test_routing_inserts_are_queued_without_waiting(monkeypatch):
     router = Router(RouterConfig(tokenizer_path=None))
     router.fleet.put(worker_view(1, url="http://w1", dp_size=2, block_size=None))

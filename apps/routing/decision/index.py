@@ -17,6 +17,9 @@ import time
 from collections import OrderedDict
 
 LOST_KEPT = 200_000  # evicted digests remembered (~20 MB at most)
+# a chain inserted again on the rank whose latest insert it was, within this long, is left as it
+# is: it is already the rank's most recent entry, and only its timestamps (the TTL's) would move
+RENEW_AFTER_S = 1.0
 
 
 class PrefixIndex:
@@ -41,6 +44,9 @@ class PrefixIndex:
         # no entry of any rank expires before this (the oldest last use + the TTL, or later: a
         # lower bound, so a lookup checks one number instead of every rank's oldest entry)
         self._expires_at = float("inf")
+        # rank key -> its latest insert (its digests, when), while nothing has been removed or
+        # evicted from that rank since (``insert``'s shortcut)
+        self._latest: dict[str, tuple[list[int], float]] = {}
 
     def set_capacity(self, key: str, blocks: int | None) -> None:
         self.capacity[key] = blocks or self.default_capacity
@@ -115,13 +121,20 @@ class PrefixIndex:
 
     def insert(self, key: str, digests: list[int]) -> None:
         """Record that rank ``key`` now holds ``digests`` (most recently used)."""
+        now = self.clock()
+        # the same blocks as the rank's latest insert (a prompt sent again, the same insert from
+        # another router process): every one of them is there, the most recent, in this order
+        # (the rank's LRU has not been trimmed nor any block removed since), so inserting them
+        # again would change nothing but their timestamps
+        latest = self._latest.get(key)
+        if latest is not None and now - latest[1] < RENEW_AFTER_S and latest[0] == digests:
+            return
         # names bound once: a 15 k-token prompt is ~1,000 digests, twice a request (here and from
         # the engine's KV events), on the router's event loop
         first_child, branching = self.first_child, self.branching
         for parent, child in zip(digests, digests[1:], strict=False):
             if first_child.setdefault(parent, child) != child:
                 branching.add(parent)
-        now = self.clock()
         self._expires_at = min(self._expires_at, now + self.ttl_s)
         lru = self.ranks.setdefault(key, OrderedDict())
         owners, to_end, bit = self.owners, lru.move_to_end, self._bit(key)
@@ -133,7 +146,8 @@ class PrefixIndex:
             else:
                 owners[digest] = get(digest, 0) | bit
             lru[digest] = now
-        self._trim(key)
+        self._latest[key] = (list(digests), now)
+        self._trim(key)  # (which forgets it again if it evicts anything)
 
     def remove(self, key: str, digests: list[int]) -> int:
         """Rank ``key`` no longer holds ``digests`` (its engine evicted them); returns how many
@@ -141,6 +155,7 @@ class PrefixIndex:
         lru = self.ranks.get(key)
         if lru is None:
             return 0
+        self._latest.pop(key, None)
         removed = 0
         for digest in digests:
             if lru.pop(digest, None) is not None:
@@ -152,6 +167,7 @@ class PrefixIndex:
     def replace(self, key: str, digests: list[int]) -> None:
         """Rank ``key`` holds exactly ``digests`` (an engine's snapshot), all as recently used."""
         keep = set(digests)
+        self._latest.pop(key, None)
         lru = self.ranks.setdefault(key, OrderedDict())
         self.remove(key, [d for d in lru if d not in keep])
         now, bit = self.clock(), self._bit(key)
@@ -165,6 +181,7 @@ class PrefixIndex:
         self._trim(key)
 
     def remove_rank(self, key: str) -> None:
+        self._latest.pop(key, None)
         for digest in self.ranks.pop(key, {}):
             self._disown(digest, key)
         self.capacity.pop(key, None)
@@ -189,6 +206,7 @@ class PrefixIndex:
         deadline = self.clock() - self.ttl_s
         if excess <= 0 and next(iter(lru.values())) >= deadline:
             return
+        self._latest.pop(key, None)  # blocks leave: the latest chain may be one of them
         bit = self._bits[key]
         keep = ~bit
         owners, first_child, branching, lost = (
