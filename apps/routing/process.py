@@ -282,8 +282,9 @@ def _run_uvicorn(loop, app, process: RouterProcess, host: str, port: int, sock=N
 
 
 def serve_workers(opts: dict, workers: int, server: str, on_ready=None) -> None:
-    """``--workers N``: N router processes accepting on one listening socket (bound here, then
-    inherited by ``fork``: the kernel hands each connection to one of them), sharing their prefix
+    """``--workers N``: N router processes accepting on one port (a socket each, bound here, then
+    inherited by ``fork``: the kernel hands each connection to one of them,
+    ``listening_sockets``), sharing their prefix
     index, load, sessions' placement and the fleet through Redis and the database as separate
     router processes do (docs/operations.md). The first worker also runs the periodic jobs (no
     Celery worker needed). /metrics adds up every worker's numbers (apps/routing/worker_metrics.py,
@@ -302,11 +303,7 @@ def serve_workers(opts: dict, workers: int, server: str, on_ready=None) -> None:
     if server != "uvicorn":
         raise CommandError(f"--workers {workers} runs under uvicorn only (not --server {server})")
     host, port = opts.get("host") or "127.0.0.1", opts.get("port") or DEFAULT_ROUTER_PORT
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(LISTEN_BACKLOG)
-    sock.set_inheritable(True)
+    socks = listening_sockets(host, port, workers)
     connections.close_all()  # no database connection crosses a fork
     published = Path(tempfile.mkdtemp(prefix="dpmesh-router-metrics-"))
     children: dict[int, int] = {}  # pid -> worker index
@@ -321,10 +318,13 @@ def serve_workers(opts: dict, workers: int, server: str, on_ready=None) -> None:
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
                 signal.signal(signal.SIGINT, signal.SIG_DFL)
                 worker_metrics.configure(published, index)
+                for other in socks:
+                    if other is not socks[index]:
+                        other.close()  # (this process's copies: the supervisor keeps its own)
                 _serve_one(
                     opts,
                     server,
-                    sock=sock,
+                    sock=socks[index],
                     jobs_here=index == 0,
                     restore_stats=index == 0 and not again,  # the history, counted once
                     jobs_where="in worker 0",
@@ -366,8 +366,34 @@ def serve_workers(opts: dict, workers: int, server: str, on_ready=None) -> None:
             continue
         worker_metrics.retire(published, index)  # its counts stay in the fleet's /metrics
         spawn(index, again=True)
-    sock.close()
+    for sock in socks:
+        sock.close()
     shutil.rmtree(published, ignore_errors=True)
+
+
+def listening_sockets(host: str, port: int, count: int) -> list[socket.socket]:
+    """``count`` sockets listening on ``host:port``, one a worker, each with its own accept queue
+    (``SO_REUSEPORT``): the kernel spreads new connections over them by a hash of their
+    addresses. On one shared socket whichever worker woke first accepted a burst of connections
+    whole: 32 of wrk's connections split 1/31, 7/25, 24/8 and 16/16 over two workers (two to
+    four tries out of four with one worker doing most of the work). Bound here, before the
+    workers are forked: a worker forked again takes over its predecessor's socket, and the
+    connections that waited in it meanwhile. Where the platform has no ``SO_REUSEPORT``, all
+    workers share one socket."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    reuse_port = hasattr(socket, "SO_REUSEPORT")
+    socks: list[socket.socket] = []
+    for _ in range(count if reuse_port else 1):
+        sock = socket.socket(family)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+        port = sock.getsockname()[1]  # (port 0: the others take the one the first got)
+        sock.listen(LISTEN_BACKLOG)
+        sock.set_inheritable(True)
+        socks.append(sock)
+    return socks if reuse_port else socks * count
 
 
 def _with_static(application, handler):
