@@ -8,7 +8,12 @@ upstream URL and its answer back: no JSON, no routing decision, no admission, no
 own (a GET is answered ``{}`` here: its health). Not a router: a floor to measure the router
 against.
 
-    python -m harness.bare_proxy --port 8100 --upstream http://127.0.0.1:8001
+    python -m harness.bare_proxy --port 8100 --upstream http://127.0.0.1:8001 [--server granian]
+
+``--server granian``: the same app under granian's embedded server (``granian.server.embed``,
+its Rust HTTP server calling the app on this process's loop; ``pip install granian``, not one of
+the project's requirements): what that server would cost the router, whose upstream client and
+background loops run on the event loop (docs/benchmarks-history.md, "granian, measured").
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import asyncio
 import uvloop
 
 from controlplane import http1
-from serving.asgi import direct_body, read_body, send_body
+from serving.asgi import direct_body, lifespan, read_body, send_body
 from serving.uvicorn_server import make_server
 
 
@@ -49,13 +54,32 @@ def make_app(upstream: str):
     return app
 
 
+async def serve_granian(app, port: int) -> None:
+    from granian.constants import HTTPModes, Interfaces
+    from granian.server.embed import Server
+
+    async def with_lifespan(scope, receive, send):
+        if scope["type"] == "lifespan":
+            await lifespan(receive, send)
+        elif scope["type"] == "http":
+            await app(scope, receive, send)
+
+    server = Server(with_lifespan, address="127.0.0.1", port=port, interface=Interfaces.ASGI,
+                    http=HTTPModes.http1, backlog=2048, log_enabled=False)  # fmt: skip
+    await server.serve()
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="a bare proxy on the router's server stack")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--upstream", required=True, help="e.g. http://127.0.0.1:8001")
+    parser.add_argument("--server", choices=("uvicorn", "granian"), default="uvicorn")
     args = parser.parse_args(argv)
     loop = uvloop.new_event_loop()
     asyncio.set_event_loop(loop)
+    if args.server == "granian":
+        loop.run_until_complete(serve_granian(make_app(args.upstream.rstrip("/")), args.port))
+        return
     server = make_server(
         make_app(args.upstream.rstrip("/")), "127.0.0.1", args.port, backlog=2048, graceful_s=1.0
     )
