@@ -47,9 +47,11 @@ from harness.vllm import start_vllm, vllm_venv
 
 TARGETS = ["vllm-balancer", "dpmesh:cache_aware", "vllm-router:cache_aware", "vllm-router:kv_aware"]
 # also: dpmesh-no-time-check:cache_aware (ours with --time-check off), dpmesh-workers2:cache_aware
-# (ours as runrouter --workers 2, with --redis-url), dpmesh-text-prompts:cache_aware (ours sending
-# the prompts' text, not their ids: CONTROL_PLANE_PROMPT_IDS=false), dpmesh-quiet:cache_aware
-# (ours with vLLM's KV-event feed off and no /metrics scrape during the run: what they cost)
+# (ours as runrouter --workers 2, with --redis-url), dpmesh-dw64:cache_aware (ours with
+# --decode-weight 64: what a running request weighs against prompt tokens),
+# dpmesh-text-prompts:cache_aware (ours sending the prompts' text, not their ids:
+# CONTROL_PLANE_PROMPT_IDS=false), dpmesh-quiet:cache_aware (ours with vLLM's KV-event feed off
+# and no /metrics scrape during the run: what they cost)
 
 
 SESSIONS = ("shared", "own")
@@ -69,6 +71,9 @@ def router_cmd(spec: str, server, port: int, vllm_router: str) -> list[str] | No
         return router_command(server.url, port=port, policy=policy)
     if kind == "dpmesh-no-time-check":  # ours with the policy's choices unchecked (A/B)
         return router_command(server.url, "--time-check", "off", port=port, policy=policy)
+    if kind.startswith("dpmesh-dw"):  # dpmesh-dw64: ours with --decode-weight 64 (A/B)
+        weight = kind.removeprefix("dpmesh-dw")
+        return router_command(server.url, "--decode-weight", weight, port=port, policy=policy)
     if kind.startswith("dpmesh-workers"):  # dpmesh-workers2: runrouter --workers 2 (REDIS_URL)
         workers = kind.removeprefix("dpmesh-workers")
         return router_command(server.url, "--workers", workers, port=port, policy=policy)
