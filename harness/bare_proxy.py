@@ -13,7 +13,8 @@ against.
 ``--server granian``: the same app under granian's embedded server (``granian.server.embed``,
 its Rust HTTP server calling the app on this process's loop; ``pip install granian``, not one of
 the project's requirements): what that server would cost the router, whose upstream client and
-background loops run on the event loop (docs/benchmarks-history.md, "granian, measured").
+background loops run on the event loop (docs/benchmarks-history.md, "--workers 2: a socket a
+worker, and the peers' inserts").
 """
 
 from __future__ import annotations

@@ -374,12 +374,12 @@ def serve_workers(opts: dict, workers: int, server: str, on_ready=None) -> None:
 def listening_sockets(host: str, port: int, count: int) -> list[socket.socket]:
     """``count`` sockets listening on ``host:port``, one a worker, each with its own accept queue
     (``SO_REUSEPORT``): the kernel spreads new connections over them by a hash of their
-    addresses. On one shared socket whichever worker woke first accepted a burst of connections
-    whole: 32 of wrk's connections split 1/31, 7/25, 24/8 and 16/16 over two workers (two to
-    four tries out of four with one worker doing most of the work). Bound here, before the
-    workers are forked: a worker forked again takes over its predecessor's socket, and the
-    connections that waited in it meanwhile. Where the platform has no ``SO_REUSEPORT``, all
-    workers share one socket."""
+    addresses. On one shared socket whichever worker woke first accepted most of a burst: wrk's
+    32 connections split 1/31, 7/25, 24/8 and 16/16 over two workers in four tries. Bound here,
+    before the workers are forked: a worker forked again takes over its predecessor's socket, and
+    the connections that waited in it meanwhile. (Linux lets only the same user bind a port
+    already bound with ``SO_REUSEPORT``.) Where the platform has no ``SO_REUSEPORT``, all workers
+    share one socket."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     reuse_port = hasattr(socket, "SO_REUSEPORT")
     socks: list[socket.socket] = []
