@@ -377,11 +377,19 @@ def listening_sockets(host: str, port: int, count: int) -> list[socket.socket]:
     addresses. On one shared socket whichever worker woke first accepted most of a burst: wrk's
     32 connections split 1/31, 7/25, 24/8 and 16/16 over two workers in four tries. Bound here,
     before the workers are forked: a worker forked again takes over its predecessor's socket, and
-    the connections that waited in it meanwhile. (Linux lets only the same user bind a port
-    already bound with ``SO_REUSEPORT``.) Where the platform has no ``SO_REUSEPORT``, all workers
-    share one socket."""
+    the connections that waited in it meanwhile. Where the platform has no ``SO_REUSEPORT``, all
+    workers share one socket.
+
+    ``SO_REUSEPORT`` would also let a second ``--workers`` router of the same user join the port
+    and take a share of its connections unseen; the port is first bound without it, so that a
+    port anyone listens on is refused as it always was (``OSError``: address in use)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     reuse_port = hasattr(socket, "SO_REUSEPORT")
+    if reuse_port:
+        with socket.socket(family) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((host, port))
+            port = probe.getsockname()[1]
     socks: list[socket.socket] = []
     for _ in range(count if reuse_port else 1):
         sock = socket.socket(family)

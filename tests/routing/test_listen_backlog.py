@@ -1,6 +1,7 @@
 """The router listens with a deep accept queue: Twisted's default (50) overflowed when 1,000
 streams connected at once, and the clients whose connections overflowed it were reset."""
 
+import pytest
 from twisted.internet.endpoints import serverFromString
 from twisted.internet.protocol import Factory
 from twisted.internet.testing import MemoryReactor
@@ -46,6 +47,9 @@ def test_workers_listen_each_on_a_socket_of_its_own_and_connections_spread_over_
                     conn.close()
                     accepted[socks.index(s)] += 1
         assert min(accepted) >= 8, accepted  # (all on one: a chance of 2^-63)
+        # a second router's workers cannot join the port unseen: it is in use, as without them
+        with pytest.raises(OSError):
+            listening_sockets("127.0.0.1", socks[0].getsockname()[1], 2)
     finally:
         for c in clients:
             c.close()
