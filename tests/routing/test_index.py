@@ -327,3 +327,22 @@ def test_inserting_the_rank_s_latest_blocks_again_is_a_no_op_until_they_need_ren
     index.insert("r0", [1, 2, 3])
     assert index.match([1, 2, 3]) == {"r0": 3}
     assert_consistent(index)
+
+
+def test_lost_digests_are_remembered_within_a_bounded_memory(index):
+    """What a rank held and lost (its LRU, its engine's evictions) is told by ``evicted_run``:
+    the recent losses always, the oldest forgotten in halves once ``lost_cap`` is reached, never
+    more than ``lost_cap`` remembered."""
+    index.lost_cap = 10
+    index.set_capacity("a", 4)
+    index.insert("a", [1, 2, 3, 4])
+    index.insert("a", [5, 6, 7, 8])  # 1-4 evicted by the LRU
+    assert index.evicted_run("a", [1, 2, 3, 4, 5], 0) == 4
+    assert index.evicted_run("b", [1, 2], 0) == 0  # another rank lost nothing
+    index.remove("a", [5])  # its engine evicted 5
+    assert index.evicted_run("a", [5, 6], 0) == 1
+    for start in range(100, 140, 4):  # 40 more evictions
+        index.insert("a", list(range(start, start + 4)))
+        assert len(index.lost) + len(index.lost_before) <= index.lost_cap
+    assert index.evicted_run("a", [132, 133, 134, 135], 0) == 4  # the latest lost are known
+    assert index.evicted_run("a", [1, 2, 3, 4], 0) == 0  # the oldest are forgotten
