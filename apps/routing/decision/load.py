@@ -134,6 +134,8 @@ class RankLoad:
         )
 
     def own_active_sessions(self, now: float | None = None) -> float:
+        if not self._sessions:  # completions only (they start no session): the usual case
+            return 0.0
         now = self.clock() if now is None else now
         return self._sessions * math.exp2(-(now - self._sessions_at) / SESSION_HALF_LIFE_S)
 

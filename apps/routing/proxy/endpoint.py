@@ -28,7 +28,7 @@ from django.conf import settings
 
 from apps.replicas.auth import INVALID_API_KEY_BODY, api_key_allowed, scope_authorization
 from apps.routing.decision.router import Router
-from apps.routing.decision.sessions import session_of
+from apps.routing.decision.sessions import SESSION_HEADER, session_of
 from apps.routing.proxy import limits, tenants
 from apps.routing.proxy.admission import Admission, Rejected, make_admission
 from apps.routing.proxy.upstream import ProxyError, proxy_request
@@ -58,6 +58,12 @@ PATHS = {
     ),
 }  # fmt: skip
 PRIORITY = re.compile(r"[+-]?[0-9]{1,18}")
+# the request headers the endpoint reads (access, length, priority, rank pin, tenant, session):
+# picked out in one pass, so each check scans these few instead of every header again
+READ_HEADERS = frozenset({
+    b"authorization", b"content-length", b"x-priority", b"x-data-parallel-rank",
+    tenants.TENANT_HEADER, SESSION_HEADER,
+})  # fmt: skip
 
 
 class Answer:
@@ -104,6 +110,19 @@ class OpenAIEndpoint:
         self.body_timeout_s = settings.CONTROL_PLANE["BODY_TIMEOUT_S"]
         self.tenants = tenant_limits or tenants.from_config(router.config)
         self.tenants.attach(router)
+        self._facts_of: tuple | None = None  # the fleet's targets ``_facts`` were read from
+        self._facts = (limits.BODY_CAP_BYTES, 0)
+
+    def fleet_facts(self) -> tuple[int, int]:
+        """(the body limit, the largest dp-aware worker's ``dp_size``) of the fleet as it is: read
+        again only when the fleet changed (``Fleet.all_targets`` is rebuilt on every change)."""
+        fleet = self.router.fleet
+        targets = fleet.all_targets()
+        if targets is not self._facts_of:
+            workers = list(fleet.workers.values())
+            dp_size = max((w.dp_size for w in workers if w.dp_aware), default=0)
+            self._facts, self._facts_of = (limits.body_limit(workers), dp_size), targets
+        return self._facts
 
     async def __call__(self, scope, receive, send) -> None:
         if tracing.TRACER is None:
@@ -119,8 +138,10 @@ class OpenAIEndpoint:
         path, stats = scope["path"], self.router.stats
 
         send = Answer(send, path, stats, span, direct_body(scope))
+        read = {"headers": [(name, value) for name, value in scope.get("headers") or ()
+                            if name.lower() in READ_HEADERS]}  # fmt: skip
 
-        if not api_key_allowed(scope_authorization(scope)):
+        if not api_key_allowed(scope_authorization(read)):
             auth = [(b"www-authenticate", b"Bearer")]
             await send_body(send, 401, INVALID_API_KEY_BODY, headers=auth)
             return
@@ -128,8 +149,8 @@ class OpenAIEndpoint:
             error = ProxyError(405, f"{scope['method']} {path} is not served here")
             await send_body(send, error.status, error.body())
             return
-        limit = limits.body_limit(self.router.fleet.workers.values())
-        declared = declared_length(scope)
+        limit, dp_size = self.fleet_facts()
+        declared = declared_length(read)
         try:
             held = self.large_bodies.take(declared if declared and declared <= limit else None)
         except OverflowError as exc:
@@ -138,17 +159,20 @@ class OpenAIEndpoint:
             return
         size = 0
         try:
-            size = await self._read_and_serve(scope, receive, send, path, limit, arrived)
+            size = await self._read_and_serve(
+                scope, read, receive, send, path, (limit, dp_size), arrived
+            )
         finally:
             self.large_bodies.give_back(held)
             if held or size >= limits.LARGE_BODY_BYTES:
                 memory.trim()  # the body, its prompt and its tokens are garbage now
 
     async def _read_and_serve(
-        self, scope, receive, send, path: str, limit: int, arrived: float
+        self, scope, read, receive, send, path: str, facts: tuple[int, int], arrived: float
     ) -> int:
-        """Read the body, then serve it; the body's size in bytes (0 when none was read)."""
-        size = 0
+        """Read the body, then serve it; the body's size in bytes (0 when none was read).
+        ``read``: the headers it reads (``READ_HEADERS``); ``facts``: ``fleet_facts()``."""
+        size, (limit, dp_size) = 0, facts
         try:
             waiting = time.perf_counter()
             raw = await read_body(receive, limit, scope, self.body_timeout_s)
@@ -172,14 +196,14 @@ class OpenAIEndpoint:
         if body_at is not None and body_at > waiting:
             arrived += body_at - waiting
         try:
-            pin = client_rank(self.router, body, scope)
-            priority = request_priority(scope)
+            pin = client_rank(self.router, body, read, dp_size)
+            priority = request_priority(read)
         except ProxyError as exc:
             await send_body(send, exc.status, exc.body())
             return size
         # the request's tenant (proxy/tenants.py): its rate limits, its cache salt when asked
         # for, its fair share of the admission queue
-        tenant = tenants.tenant_of(scope)
+        tenant = tenants.tenant_of(read)
         salted = self.router.config.tenant_cache_salt and PATHS[path] is not None
         if salted and "cache_salt" not in body and tenant != tenants.ANONYMOUS:
             body["cache_salt"] = tenant  # its prefixes are its own
@@ -192,7 +216,7 @@ class OpenAIEndpoint:
             tenants.USAGE_SINK.set(functools.partial(self.tenants.spent, tenant))
         # the wait for admission runs under until_disconnect too: a client that leaves the queue
         # cancels it
-        session = session_of(body, scope.get("headers"))
+        session = session_of(body, read["headers"])
         serve = self._serve(body, path, send, pin, priority, session, arrived, tenant)
         await until_disconnect(serve, receive, send.direct)
         return size
@@ -249,13 +273,15 @@ def request_priority(scope) -> int:
     return 0
 
 
-def client_rank(router: Router, body: dict, scope) -> int | None:
+def client_rank(router: Router, body: dict, scope, dp_size: int | None = None) -> int | None:
     """A DP rank the client asked for itself (body ``data_parallel_rank`` / ``data-parallel-rank``
     or header ``X-data-parallel-rank``), checked as the engine checks it: an integer in range of
     the fleet's largest dp-aware worker is honoured as a pin (a single-worker fleet, or one worker
     whose rank it names); anything else is a 400 with the engine's wording. None: the router
-    chooses. A fleet routed worker by worker passes the client's hint on to the engine."""
-    dp_size = max((w.dp_size for w in router.fleet.workers.values() if w.dp_aware), default=0)
+    chooses. A fleet routed worker by worker passes the client's hint on to the engine.
+    ``dp_size``: that largest size, where the caller knows it."""
+    if dp_size is None:
+        dp_size = max((w.dp_size for w in router.fleet.workers.values() if w.dp_aware), default=0)
     if not dp_size:
         return None
     headers = {}
