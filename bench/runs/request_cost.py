@@ -8,10 +8,14 @@ engine's side is ``controlplane.http1.Pool`` answering at once with a completion
 with cached tokens), after calling the dispatch's ``sent`` hook as the real pool does once the
 request is written. The fleet is one worker of ``--ranks`` DP ranks with text digests, prompts
 each its own ~970 characters (bench.runs.stream_relay's), ``--inflight`` requests at a time on a
-uvloop loop. Prints the loop thread's CPU microseconds a request; ``--profile N`` adds cProfile's
-top N functions by own time (cProfile inflates Python calls: read its shares, not its totals)::
+uvloop loop. Its KV capacity is not reported, as the stand-in's is not (the index then holds
+100,000 blocks a rank and barely evicts); ``--capacity 4096`` makes every request evict as many
+blocks as it inserts, as in front of a full engine. Prints the loop thread's CPU microseconds a
+request; ``--profile N`` adds cProfile's top N functions by own time (cProfile inflates Python
+calls: read its shares, not its totals)::
 
-    .venv/bin/python -m bench.runs.request_cost [--requests 20000] [--inflight 8] [--profile 30]
+    .venv/bin/python -m bench.runs.request_cost [--requests 20000] [--inflight 8] \\
+        [--capacity 4096] [--profile 30]
 
 What it leaves out, and bench.runs.stream_relay and router_overhead measure with it: uvicorn's
 parsing and its task a request, the two connections' reads and writes, the loop's waits. The
@@ -88,7 +92,7 @@ class Direct:
         return True
 
 
-def make_app(ranks: int):
+def make_app(ranks: int, capacity: int | None = None):
     from apps.routing.decision.config import RouterConfig
     from apps.routing.decision.fleet import WorkerView
     from apps.routing.decision.router import Router
@@ -97,7 +101,8 @@ def make_app(ranks: int):
     router = Router(RouterConfig(policy="cache_aware"), rng=random.Random(0))
     view = WorkerView(
         worker_id=1, url="http://bench", api_key="", model="m", model_aliases={"m"},
-        dp_size=ranks, dp_aware=True, block_size=None, tokenizer_path=None, capacity_blocks=4096,
+        dp_size=ranks, dp_aware=True, block_size=None, tokenizer_path=None,
+        capacity_blocks=capacity,
     )  # fmt: skip
     router.fleet.put(view)
     router.sync_capacity()
@@ -146,6 +151,7 @@ def main(argv=None) -> None:
     parser.add_argument("--warmup", type=int, default=4000)
     parser.add_argument("--inflight", type=int, default=8)
     parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--capacity", type=int, default=None, help="KV blocks a rank reports")
     parser.add_argument("--repeat", type=int, default=3, help="passes, each on a fresh router")
     parser.add_argument("--profile", type=int, default=0, help="cProfile's top N (0: none)")
     args = parser.parse_args(argv)
@@ -161,11 +167,11 @@ def main(argv=None) -> None:
     http1.pool = lambda: engine  # the engine's side, in memory
     for _ in range(args.repeat):
         profile = cProfile.Profile(time.thread_time) if args.profile else None
-        app = make_app(args.ranks)
+        app = make_app(args.ranks, args.capacity)
         spent = uvloop.run(drive(app, args.requests, args.inflight, args.warmup, profile))
         per_request = 1e6 * spent / args.requests
-        print(f"{args.ranks} ranks, {args.inflight} in flight: {per_request:.1f} us of loop CPU "
-              "a request", flush=True)  # fmt: skip
+        print(f"{args.ranks} ranks, capacity {args.capacity}, {args.inflight} in flight: "
+              f"{per_request:.1f} us of loop CPU a request", flush=True)  # fmt: skip
         if profile is not None:
             pstats.Stats(profile).sort_stats("tottime").print_stats(args.profile)
 
