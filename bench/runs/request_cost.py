@@ -61,7 +61,7 @@ class Answered:
         return ANSWER
 
     def release(self) -> None:
-        pass
+        """Nothing to give back: no connection holds this answer."""
 
 
 class Engine:

@@ -196,7 +196,7 @@ class OpenAIEndpoint:
         if body_at is not None and body_at > waiting:
             arrived += body_at - waiting
         try:
-            pin = client_rank(self.router, body, read, dp_size)
+            pin = client_rank(dp_size, body, read)
             priority = request_priority(read)
         except ProxyError as exc:
             await send_body(send, exc.status, exc.body())
@@ -273,15 +273,13 @@ def request_priority(scope) -> int:
     return 0
 
 
-def client_rank(router: Router, body: dict, scope, dp_size: int | None = None) -> int | None:
+def client_rank(dp_size: int, body: dict, scope) -> int | None:
     """A DP rank the client asked for itself (body ``data_parallel_rank`` / ``data-parallel-rank``
     or header ``X-data-parallel-rank``), checked as the engine checks it: an integer in range of
-    the fleet's largest dp-aware worker is honoured as a pin (a single-worker fleet, or one worker
-    whose rank it names); anything else is a 400 with the engine's wording. None: the router
-    chooses. A fleet routed worker by worker passes the client's hint on to the engine.
-    ``dp_size``: that largest size, where the caller knows it."""
-    if dp_size is None:
-        dp_size = max((w.dp_size for w in router.fleet.workers.values() if w.dp_aware), default=0)
+    the fleet's largest dp-aware worker (``dp_size``: ``OpenAIEndpoint.fleet_facts``) is honoured
+    as a pin (a single-worker fleet, or one worker whose rank it names); anything else is a 400
+    with the engine's wording. None: the router chooses. A fleet routed worker by worker (no
+    dp-aware worker: ``dp_size`` 0) passes the client's hint on to the engine."""
     if not dp_size:
         return None
     headers = {}
