@@ -12,6 +12,12 @@ process's drain, serving/drain.py, owns SIGTERM and SIGINT, as it does under dap
   is shorter than common clients' pools keep them and made them race its close.
 - The body's own deadline is the application's (serving.asgi ``read_body``): uvicorn hands it
   the body as it arrives.
+- A request that declares a small body (``Content-Length`` up to uvicorn's buffer, no ``Expect:
+  100-continue``) starts its application once the body is all there, not at its headers:
+  clients that write the head and the body apart (httpx, so the OpenAI SDK; aiohttp) had the
+  application start, find no body, set a timer and wait for it, then resume: a task step, a
+  timer and an event a request. Past ``BODY_GRACE_S`` without the whole body (a slow sender) it
+  starts all the same and reads the rest under its own deadline, as any larger body does.
 - The request's connection, directly (``DirectBody``, in the scope's extensions under
   serving.asgi ``DIRECT_BODY``), for the router's hot path: a body that has all arrived taken
   without a timer; a whole answer written in one write (head and body), not two; a streamed
@@ -31,6 +37,7 @@ import contextlib
 import time
 
 import uvicorn
+from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 from uvicorn.protocols.http.httptools_impl import (
     HEADER_RE,
     HEADER_VALUE_RE,
@@ -47,6 +54,9 @@ MAX_CONNECTIONS = 8192
 # clients' pools keep theirs (httpx 5 s, aiohttp 15 s, the router's own 4 s), so a client does
 # not send a request on a connection this server is closing at that moment
 KEEPALIVE_S = 75.0
+# how long a request whose small body is on its way waits for the rest before its application
+# starts anyway (a head and a body written apart arrive well within it)
+BODY_GRACE_S = 0.05
 
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
@@ -55,10 +65,36 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     header_timer: asyncio.TimerHandle | None = None
     header_timeout_s: float = HEADER_TIMEOUT_S
     directs: list[DirectBody] | None = None  # of the requests on this connection not answered
+    deferred: tuple | None = None  # (cycle, app) of a request waiting for its small body
+    body_timer: asyncio.TimerHandle | None = None  # its grace (``BODY_GRACE_S``)
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
         self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.deferred is not None and self.body_timer is None:  # the rest comes later
+            self.body_timer = self.loop.call_later(BODY_GRACE_S, self._start_deferred)
+
+    def _start_asgi_task(self, cycle, app) -> None:
+        if cycle.more_body and not self.expect_100_continue and _small_body(cycle.scope):
+            self.deferred = (cycle, app)  # started by on_message_complete, or the grace
+            return
+        super()._start_asgi_task(cycle, app)
+
+    def _start_deferred(self, cancel: bool = False) -> None:
+        """Start the request that waited for its body (``cancel``: started cancelled, so that it
+        answers as a request the server stopped)."""
+        if self.body_timer is not None:
+            self.body_timer.cancel()
+            self.body_timer = None
+        deferred, self.deferred = self.deferred, None
+        if deferred is not None:
+            before = set(self.tasks) if cancel else None
+            super()._start_asgi_task(*deferred)
+            for task in self.tasks - before if cancel else ():
+                task.cancel()
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
@@ -81,9 +117,20 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         direct = self.directs[-1] if self.directs else None
         if direct is not None and direct.cycle is self.cycle:
             direct.body_at = time.perf_counter()
+        if self.deferred is not None and self.deferred[0] is self.cycle:
+            self._start_deferred()
+
+    def shutdown(self) -> None:
+        if self.deferred is not None:  # the server stops: answered as a request it cut
+            self._start_deferred(cancel=True)
+        super().shutdown()
 
     def connection_lost(self, exc) -> None:
         self._disarm()
+        if self.body_timer is not None:  # a request whose body never came: nothing started
+            self.body_timer.cancel()
+            self.body_timer = None
+        self.deferred = None
         super().connection_lost(exc)
         for direct in self.directs or ():
             if direct.cycle.disconnected and direct.on_lost is not None:
@@ -188,6 +235,15 @@ class DirectBody:
         cycle = self.cycle
         if cycle.flow.write_paused and not cycle.disconnected:
             await cycle.flow.drain()
+
+
+def _small_body(scope) -> bool:
+    """The request declares a body of at most uvicorn's buffer (``HIGH_WATER_LIMIT``: a larger
+    one pauses the connection until the application reads it)."""
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            return value.isdigit() and 0 < int(value) <= HIGH_WATER_LIMIT
+    return False
 
 
 # headers ``respond`` leaves to uvicorn (it writes the length itself)
