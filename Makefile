@@ -21,11 +21,13 @@ $(STAMP): requirements.txt
 
 serve: $(STAMP)
 	$(PY) -m engine.paged_kernel
+	$(PY) -m apps.routing.decision.index
 	$(PY) manage.py migrate --noinput
 	$(PY) manage.py serve $(SERVE_ARGS)
 
 test: $(STAMP)
 	$(PY) -m engine.paged_kernel
+	$(PY) -m apps.routing.decision.index
 	$(PY) -m pytest -q -p no:cacheprovider --durations=25 $(PYTEST_ARGS)
 
 # ruff's configuration is in pyproject.toml; CI runs this before the tests

@@ -25,9 +25,7 @@ the wait ran out); the failure is logged once and the engine keeps its torch pat
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
-import importlib.util
 import logging
 import os
 import platform
@@ -35,10 +33,11 @@ import shutil
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 import torch
+
+from serving.native import acquire, cache_root, import_file
 
 logger = logging.getLogger(__name__)
 
@@ -51,48 +50,12 @@ _lock = threading.Lock()
 _state: dict[str, object] = {}  # "module" (None when it failed), "error"
 
 
-def cache_root() -> Path:
-    """Where built kernels live (``DPMESH_KERNEL_CACHE``, default ``~/.cache/dpmesh/kernels``)."""
-    configured = os.environ.get("DPMESH_KERNEL_CACHE")
-    if configured:
-        return Path(configured)
-    cache_home = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(cache_home) / "dpmesh" / "kernels"
-
-
 def build_key() -> str:
     """What a built kernel depends on: the source, the flags, torch, Python and the machine."""
     digest = hashlib.sha256(SOURCE.read_bytes())
     for part in (*CFLAGS, torch.__version__, sys.version, platform.machine()):
         digest.update(b"\0" + part.encode())
     return digest.hexdigest()[:16]
-
-
-def _import(path: Path):
-    spec = importlib.util.spec_from_file_location(NAME, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def acquire(lock_path: Path, wait_s: float) -> int:
-    """An exclusive ``flock`` on ``lock_path`` (its fd; closing it releases), waiting at most
-    ``wait_s``; TimeoutError past that. The kernel drops the lock when its holder exits, killed
-    or not, so no lock outlives its process."""
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-    deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return fd
-        except BlockingIOError:
-            if time.monotonic() >= deadline:
-                os.close(fd)
-                raise TimeoutError(
-                    f"another process has been building the kernel for {wait_s:.0f} s "
-                    f"(it holds {lock_path})"
-                ) from None
-            time.sleep(0.2)
 
 
 def _build(root: Path, target: Path):
@@ -132,12 +95,12 @@ def load():
             target = root / f"{NAME}-{build_key()}"
             built = target / f"{NAME}.so"
             if built.exists():
-                module = _import(built)
+                module = import_file(NAME, built)
             else:
                 root.mkdir(parents=True, exist_ok=True)
                 fd = acquire(root / f"{target.name}.lock", BUILD_WAIT_S)
                 try:  # another process may have built it while this one waited
-                    module = _import(built) if built.exists() else _build(root, target)
+                    module = import_file(NAME, built) if built.exists() else _build(root, target)
                 finally:
                     os.close(fd)
         except Exception as exc:  # compiler missing, build error, unsupported platform, wait

@@ -1,11 +1,32 @@
 """PrefixIndex: leading-block matches per rank, an LRU per rank bounded by its KV capacity, TTL
-expiry, and removal; every number exact, on a fake clock."""
+expiry, and removal; every number exact, on a fake clock. Each test runs on both implementations
+(the native core and the pure one), and the two are compared on random operation sequences."""
+
+import random
+import shutil
+import sysconfig
 
 import pytest
 
+from apps.routing.decision import index as index_module
 from apps.routing.decision.demand import PrefixDemand, ServedVolume
-from apps.routing.decision.index import PrefixIndex
+from apps.routing.decision.index import NativePrefixIndex, PurePrefixIndex
 from tests.routing.helpers import Clock
+
+
+def native_or_fail():
+    """The native core must build wherever a C compiler is (a missing one is a skip)."""
+    if index_module.core_module() is None:
+        compiler = (sysconfig.get_config_var("CC") or "cc").split()[0]
+        if shutil.which(compiler) is None and shutil.which("cc") is None:
+            pytest.skip(f"no C compiler: {index_module._core.get('error')}")
+        pytest.fail(f"the native prefix index did not build: {index_module._core.get('error')}")
+    return NativePrefixIndex
+
+
+@pytest.fixture(params=["native", "pure"])
+def PrefixIndex(request):  # noqa: N802 (the class under test)
+    return native_or_fail() if request.param == "native" else PurePrefixIndex
 
 
 @pytest.fixture
@@ -14,11 +35,11 @@ def clock():
 
 
 @pytest.fixture
-def index(clock):
+def index(clock, PrefixIndex):  # noqa: N803
     return PrefixIndex(ttl_s=100.0, default_capacity=1000, clock=clock)
 
 
-def assert_consistent(index: PrefixIndex) -> None:
+def assert_consistent(index) -> None:
     """owners is exactly the inverse of ranks, with no empty holder sets."""
     inverse: dict[int, set[str]] = {}
     for key, lru in index.ranks.items():
@@ -235,9 +256,7 @@ def reference_match(index: PrefixIndex, digests, keys=None) -> dict[str, int]:
     return out
 
 
-def test_match_agrees_with_its_definition_under_random_churn(clock):
-    import random
-
+def test_match_agrees_with_its_definition_under_random_churn(clock, PrefixIndex):  # noqa: N803
     rng = random.Random(7)
     index = PrefixIndex(ttl_s=30.0, default_capacity=60, clock=clock)
     heads = [[rng.randrange(1, 40) for _ in range(rng.randrange(1, 6))] for _ in range(6)]
@@ -296,7 +315,10 @@ def test_served_volume_keeps_peers_shares_theirs_and_decays_over_hours():
     assert a.own("y") == pytest.approx(500)
 
 
-def test_inserting_the_rank_s_latest_blocks_again_is_a_no_op_until_they_need_renewing(clock):
+def test_inserting_the_rank_s_latest_blocks_again_is_a_no_op_until_they_need_renewing(
+    clock,
+    PrefixIndex,  # noqa: N803
+):
     from apps.routing.decision.index import RENEW_AFTER_S
 
     index = PrefixIndex(ttl_s=100.0, default_capacity=6, clock=clock)
@@ -346,3 +368,83 @@ def test_lost_digests_are_remembered_within_a_bounded_memory(index):
         assert len(index.lost) + len(index.lost_before) <= index.lost_cap
     assert index.evicted_run("a", [132, 133, 134, 135], 0) == 4  # the latest lost are known
     assert index.evicted_run("a", [1, 2, 3, 4], 0) == 0  # the oldest are forgotten
+
+
+def snapshot(index) -> tuple:
+    """Everything either implementation holds, in the pure one's terms."""
+    return (
+        {key: list(lru.items()) for key, lru in index.ranks.items()},
+        index.owners,
+        index.first_child,
+        index.branching,
+        index.lost,
+        index.lost_before,
+        index.capacity,
+        index._expires_at,
+        index._latest,
+    )
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_native_and_pure_agree_operation_by_operation(seed):
+    """Random inserts (shared prefixes, repeats, small and 64-bit digests), removals, snapshots,
+    ranks leaving, capacities changing, TTL expiry and the lost digests' halves turning over, on
+    up to 90 ranks (more than one word of holders): every answer and all state equal."""
+    native_or_fail()
+    rng = random.Random(seed)
+    clock = Clock()
+    pure = PurePrefixIndex(ttl_s=40.0, default_capacity=30, clock=clock)
+    native = NativePrefixIndex(ttl_s=40.0, default_capacity=30, clock=clock)
+    pure.lost_cap = native.lost_cap = 24
+    keys = [f"w{w}@{r}" for w in range(3) for r in range(rng.choice((2, 30)))]
+    chains = [[rng.randrange(1, 20)] for _ in range(4)]
+
+    def chain() -> list[int]:
+        if rng.random() < 0.15:
+            return list(rng.choice(chains))  # the same blocks again
+        head = rng.choice(chains)[: rng.randrange(0, 6)]
+        new = [
+            rng.choice((rng.randrange(1, 60), rng.getrandbits(64)))
+            for _ in range(rng.randrange(0, 8))
+        ]
+        chains.append(head + new)
+        return chains[-1]
+
+    for step in range(700):
+        key, action = rng.choice(keys), rng.random()
+        if action < 0.45:
+            args = ("insert", key, chain())
+        elif action < 0.55:
+            held = list(pure.ranks.get(key, {}))
+            args = ("remove", key, rng.sample(held, min(len(held), 3)) + [rng.randrange(1, 60)])
+        elif action < 0.6:
+            args = ("replace", key, chain())
+        elif action < 0.62:
+            args = ("remove_rank", key)
+        elif action < 0.66:
+            args = ("set_capacity", key, rng.choice((None, 3, 10, 50)))
+        elif action < 0.85:
+            subset = rng.choice((None, rng.sample(keys, min(4, len(keys))) + ["gone"], []))
+            args = ("lookup", chain(), subset)
+        elif action < 0.92:
+            args = ("evicted_run", key, chain(), rng.randrange(0, 3))
+        else:
+            args = ("holders", rng.choice(rng.choice(chains) or [1]))
+        name, *rest = args
+        assert getattr(native, name)(*rest) == getattr(pure, name)(*rest), (step, args)
+        assert native.size(key) == pure.size(key) and native.room(key) == pure.room(key)
+        clock.now += rng.choice((0.0, 0.0, 0.4, 2.0, 9.0))
+        if step % 10 == 0:
+            assert snapshot(native) == snapshot(pure), (step, args)
+    assert snapshot(native) == snapshot(pure)
+    assert_consistent(native)
+
+
+def test_the_native_core_refuses_what_is_not_a_64_bit_digest():
+    index = native_or_fail()(clock=Clock())
+    with pytest.raises(OverflowError):
+        index.insert("a", [1 << 64])
+    with pytest.raises(TypeError):
+        index.insert("a", ["1"])
+    index.insert("a", [1, 2])  # and stays whole after refusing
+    assert index.match([1, 2]) == {"a": 2}

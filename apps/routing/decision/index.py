@@ -9,12 +9,32 @@ Engines that publish their KV events (ours: ``GET /kv_events``, apps/routing/fee
 also correct it: a snapshot replaces a rank's set (``replace``), stored blocks are inserted, evicted
 ones removed (``remove``). The inserts at routing time stay: they cover the requests whose
 blocks the engine has not stored yet (a burst of siblings).
+
+Two implementations, one behaviour: ``NativePrefixIndex`` keeps the per-digest state in flat C
+tables (csrc/prefix_core.c, built at first use like the engine's kernel: serving/native.py), where
+``PurePrefixIndex`` keeps it in dicts; every digest of a request costs the pure one ~10 probes of
+large dicts of boxed ints, cache misses the flat tables mostly avoid. ``PrefixIndex`` is the
+native one where it builds (``DPMESH_PURE_INDEX=1``: the pure one); tests/routing/test_index.py
+runs both and compares them on random operation sequences.
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import sysconfig
 import time
 from collections import OrderedDict
+from pathlib import Path
+
+from serving import native
+
+logger = logging.getLogger(__name__)
 
 LOST_KEPT = 200_000  # evicted digests remembered (~20 MB at most)
 # a chain inserted again on the rank whose latest insert it was, within this long, is left as it
@@ -22,7 +42,9 @@ LOST_KEPT = 200_000  # evicted digests remembered (~20 MB at most)
 RENEW_AFTER_S = 1.0
 
 
-class PrefixIndex:
+class PurePrefixIndex:
+    """The index in Python dicts (the reference; where the native core does not build)."""
+
     def __init__(self, ttl_s: float = 600.0, default_capacity: int = 100_000, clock=time.monotonic):
         self.ttl_s, self.default_capacity, self.clock = ttl_s, default_capacity, clock
         self.ranks: dict[str, OrderedDict[int, float]] = {}  # rank key -> digest -> last use
@@ -273,3 +295,240 @@ class PrefixIndex:
     def room(self, key: str) -> int:
         """Blocks ``key`` can still take before its engine evicts (as far as this index knows)."""
         return self.capacity.get(key, self.default_capacity) - self.size(key)
+
+
+# ----- the native core (csrc/prefix_core.c) ---------------------------------------------------
+CORE_SOURCE = Path(__file__).parent / "csrc" / "prefix_core.c"
+CORE_NAME = "dpmesh_prefix_core"
+CORE_CFLAGS = ("-O2", "-fPIC", "-shared")
+CORE_BUILD_WAIT_S = 120.0
+
+
+def _core_key() -> str:
+    digest = hashlib.sha256(CORE_SOURCE.read_bytes())
+    for part in (
+        *CORE_CFLAGS,
+        sys.version,
+        platform.machine(),
+        sysconfig.get_config_var("EXT_SUFFIX"),
+    ):
+        digest.update(b"\0" + str(part).encode())
+    return digest.hexdigest()[:16]
+
+
+def _build_core(scratch: Path) -> Path:
+    compiler = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    if shutil.which(compiler) is None:
+        compiler = "cc"
+    out = scratch / f"{CORE_NAME}.so"
+    command = [compiler, *CORE_CFLAGS, "-I", sysconfig.get_paths()["include"], str(CORE_SOURCE),
+               "-o", str(out)]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)}: {done.stderr.strip()[-2000:]}")
+    return out
+
+
+_core: dict[str, object] = {}  # "module" (None when unavailable), "error"
+
+
+def core_module():
+    """The compiled core (built on first call, imported from the cache after), or None: no
+    compiler, a build error, or ``DPMESH_PURE_INDEX`` set. The failure is logged once."""
+    if "module" in _core:
+        return _core["module"]
+    module = None
+    try:
+        if os.environ.get("DPMESH_PURE_INDEX"):
+            raise RuntimeError("DPMESH_PURE_INDEX is set")
+        built = native.cached_build(CORE_NAME, _core_key(), _build_core, CORE_BUILD_WAIT_S)
+        module = native.import_file(CORE_NAME, built)
+    except Exception as exc:  # compiler missing, build error, the wait ran out
+        _core["error"] = f"{type(exc).__name__}: {str(exc).strip()[-2000:]}"
+        if not os.environ.get("DPMESH_PURE_INDEX"):
+            logger.warning(
+                "native prefix index unavailable, using the pure one: %s", _core["error"]
+            )
+    _core["module"] = module
+    return module
+
+
+class NativePrefixIndex:
+    """The index over the C core: the same methods and results as ``PurePrefixIndex``. The
+    pure index's dicts (``ranks``, ``owners``, ``first_child``, ``branching``, ``lost``,
+    ``lost_before``) are snapshots here, built when read (for tests and inspection)."""
+
+    def __init__(self, ttl_s: float = 600.0, default_capacity: int = 100_000, clock=time.monotonic):
+        self.ttl_s, self.default_capacity, self.clock = ttl_s, default_capacity, clock
+        self.capacity: dict[str, int] = {}
+        self._core = core_module().Core(LOST_KEPT)
+        self._bits: dict[str, int] = {}  # rank key -> its slot in the core (assigned once)
+        self._keys: list[str] = []  # slot -> rank key
+        # the ranks with an LRU, in the order the pure index's ``ranks`` has them (the order a
+        # TTL sweep trims them in, which the lost digests' halves depend on)
+        self._ranks: dict[str, int] = {}
+        self._expires_at = float("inf")  # as the pure index's
+        self._latest: dict[str, tuple[list[int], float]] = {}  # as the pure index's
+
+    def _bit(self, key: str) -> int:
+        slot = self._bits.get(key)
+        if slot is None:
+            slot = self._bits[key] = len(self._keys)
+            self._keys.append(key)
+        return slot
+
+    def _named(self, mask: int) -> list[str]:
+        keys, index = [], 0
+        while mask:
+            if mask & 1:
+                keys.append(self._keys[index])
+            mask >>= 1
+            index += 1
+        return keys
+
+    # ----- the pure index's state, as snapshots ----------------------------------------------
+    @property
+    def ranks(self) -> dict[str, OrderedDict[int, float]]:
+        return {key: OrderedDict(self._core.items(slot)) for key, slot in self._ranks.items()}
+
+    @property
+    def owners(self) -> dict[int, int]:
+        return self._core.table_dict(0)
+
+    @property
+    def first_child(self) -> dict[int, int]:
+        return self._core.fan_out()[0]
+
+    @property
+    def branching(self) -> set[int]:
+        return self._core.fan_out()[1]
+
+    @property
+    def lost(self) -> dict[int, int]:
+        return self._core.table_dict(1)
+
+    @property
+    def lost_before(self) -> dict[int, int]:
+        return self._core.table_dict(2)
+
+    @property
+    def lost_cap(self) -> int:
+        return self._core.lost_cap
+
+    @lost_cap.setter
+    def lost_cap(self, cap: int) -> None:
+        self._core.lost_cap = cap
+
+    # ----- the index ----------------------------------------------------------------------------
+    def set_capacity(self, key: str, blocks: int | None) -> None:
+        self.capacity[key] = blocks or self.default_capacity
+        self._trim(key)
+
+    def holders(self, digest: int) -> set[str]:
+        return set(self._named(self._core.holders(digest)))
+
+    def match(self, digests: list[int], keys: list[str] | None = None) -> dict[str, int]:
+        return self.lookup(digests, keys)[0]
+
+    def shared_blocks(self, digests: list[int]) -> int:
+        return self.lookup(digests, ())[1]
+
+    def lookup(self, digests: list[int], keys=None) -> tuple[dict[str, int], int]:
+        if self.clock() >= self._expires_at:
+            self._expire()
+        if keys is None:
+            slots = None
+        else:
+            bits = self._bits
+            slots = [bits[key] for key in keys if key in bits]
+        if type(digests) is not list:
+            digests = list(digests)
+        return self._core.lookup(digests, self._keys, slots)
+
+    def insert(self, key: str, digests: list[int]) -> None:
+        now = self.clock()
+        latest = self._latest.get(key)
+        if latest is not None and now - latest[1] < RENEW_AFTER_S and latest[0] == digests:
+            return
+        if type(digests) is not list:
+            digests = list(digests)
+        self._expires_at = min(self._expires_at, now + self.ttl_s)
+        slot = self._ranks.get(key)
+        if slot is None:
+            slot = self._ranks[key] = self._bit(key)
+        self._core.insert(slot, digests, now)
+        self._latest[key] = (list(digests), now)
+        self._trim(key)
+
+    def remove(self, key: str, digests: list[int]) -> int:
+        slot = self._ranks.get(key)
+        if slot is None:
+            return 0
+        self._latest.pop(key, None)
+        return self._core.remove(slot, list(digests))
+
+    def replace(self, key: str, digests: list[int]) -> None:
+        self._latest.pop(key, None)
+        slot = self._ranks.get(key)
+        if slot is None:
+            slot = self._ranks[key] = self._bit(key)
+        now = self.clock()
+        self._expires_at = min(self._expires_at, now + self.ttl_s)
+        self._core.replace(slot, list(digests), now)
+        self._trim(key)
+
+    def remove_rank(self, key: str) -> None:
+        self._latest.pop(key, None)
+        slot = self._ranks.pop(key, None)
+        if slot is not None:
+            self._core.remove_rank(slot)
+        self.capacity.pop(key, None)
+
+    def _expire(self) -> None:
+        oldest = float("inf")
+        for key, slot in list(self._ranks.items()):
+            self._trim(key)
+            first = self._core.oldest(slot)
+            if first is not None:
+                oldest = min(oldest, first)
+        self._expires_at = oldest + self.ttl_s
+
+    def _trim(self, key: str) -> None:
+        slot = self._bits.get(key)
+        if slot is None:
+            return
+        capacity = self.capacity.get(key, self.default_capacity)
+        if self._core.trim(slot, capacity, self.clock() - self.ttl_s):
+            self._latest.pop(key, None)  # blocks left: the latest chain may be one of them
+
+    def evicted_run(self, key: str, digests: list[int], start: int) -> int:
+        slot = self._bits.get(key)
+        if slot is None:
+            return 0
+        return self._core.evicted_run(slot, list(digests), start)
+
+    def size(self, key: str) -> int:
+        slot = self._bits.get(key)
+        return 0 if slot is None else self._core.size(slot)
+
+    def room(self, key: str) -> int:
+        return self.capacity.get(key, self.default_capacity) - self.size(key)
+
+
+PrefixIndex = NativePrefixIndex if core_module() is not None else PurePrefixIndex
+
+
+def main() -> int:
+    """``python -m apps.routing.decision.index``: build the native core now (``make serve`` and
+    ``make test`` do, so a router does not spend its start compiling); says which index routers
+    use."""
+    logging.basicConfig(level=logging.WARNING)
+    if core_module() is None:
+        print(f"prefix index: the pure one ({_core.get('error')})")
+    else:
+        print("prefix index: native core built")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

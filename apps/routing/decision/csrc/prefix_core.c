@@ -1,0 +1,837 @@
+/* The prefix index's per-digest state in flat tables (apps/routing/decision/index.py,
+ * ``NativePrefixIndex``): what the pure-Python index keeps in five dicts and one OrderedDict per
+ * rank, where every digest of every request costs ~10 probes of large dicts whose keys are
+ * boxed ints (cache misses, not bytecode, are its cost).
+ *
+ * - the digest table: digest -> its holders (a bitset of rank slots), its first child and
+ *   whether it branches (a digest is in it exactly while some rank holds it);
+ * - one table per rank: digest -> its last use, threaded on a doubly linked list in LRU order
+ *   (the head the least recently used);
+ * - the lost tables: digest -> the ranks that held it and lost it, the recent half and the one
+ *   before (the index's ``lost`` and ``lost_before``).
+ *
+ * Digests are unsigned 64-bit ints (xxh64). Rank slots are small ints the Python side assigns
+ * (never reused); the bitsets grow a word at a time as slots are assigned. Open addressing with
+ * linear probing and tombstones; a rank's list links slot indices, rebuilt on a resize. The
+ * semantics are the pure-Python index's, operation by operation: tests/routing/test_index.py
+ * runs both and compares them on random operation sequences. */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#define EMPTY 0
+#define USED 1
+#define TOMB 2
+
+static inline uint64_t mix(uint64_t x) { /* splitmix64's finalizer: tests use small digests */
+    x ^= x >> 30;
+    x *= 0xbf58476d1ce4e5b9ULL;
+    x ^= x >> 27;
+    x *= 0x94d049bb133111ebULL;
+    x ^= x >> 31;
+    return x;
+}
+
+/* ----- a table of digests, each with a bitset of ``words`` words ----------------------------- */
+typedef struct {
+    uint64_t key;
+    uint64_t first_child;
+    uint8_t state, has_child, branching;
+} Entry;
+
+typedef struct {
+    Entry *e;
+    uint64_t *bits; /* cap * words */
+    Py_ssize_t cap, used, tombs;
+} Table;
+
+static int table_init(Table *t, Py_ssize_t cap, int words) {
+    t->e = PyMem_Calloc(cap, sizeof(Entry));
+    t->bits = PyMem_Calloc(cap * words, sizeof(uint64_t));
+    t->cap = cap;
+    t->used = t->tombs = 0;
+    if (!t->e || !t->bits) {
+        PyMem_Free(t->e);
+        PyMem_Free(t->bits);
+        PyErr_NoMemory();
+        return -1;
+    }
+    return 0;
+}
+
+static void table_free(Table *t) {
+    PyMem_Free(t->e);
+    PyMem_Free(t->bits);
+    t->e = NULL;
+    t->bits = NULL;
+    t->cap = t->used = t->tombs = 0;
+}
+
+static Py_ssize_t table_find(const Table *t, uint64_t key) {
+    Py_ssize_t mask = t->cap - 1, i = (Py_ssize_t)(mix(key) & (uint64_t)mask);
+    for (;;) {
+        const Entry *e = &t->e[i];
+        if (e->state == EMPTY) return -1;
+        if (e->state == USED && e->key == key) return i;
+        i = (i + 1) & mask;
+    }
+}
+
+static int table_resize(Table *t, Py_ssize_t cap, int words) {
+    Table n;
+    if (table_init(&n, cap, words) < 0) return -1;
+    Py_ssize_t mask = cap - 1;
+    for (Py_ssize_t i = 0; i < t->cap; i++) {
+        if (t->e[i].state != USED) continue;
+        Py_ssize_t j = (Py_ssize_t)(mix(t->e[i].key) & (uint64_t)mask);
+        while (n.e[j].state != EMPTY) j = (j + 1) & mask;
+        n.e[j] = t->e[i];
+        memcpy(&n.bits[j * words], &t->bits[i * words], words * sizeof(uint64_t));
+        n.used++;
+    }
+    table_free(t);
+    *t = n;
+    return 0;
+}
+
+/* the entry of ``key``, added (empty bitset, no child) when absent; -1 on no memory */
+static Py_ssize_t table_add(Table *t, uint64_t key, int words) {
+    Py_ssize_t found = table_find(t, key);
+    if (found >= 0) return found;
+    if ((t->used + t->tombs + 1) * 4 >= t->cap * 3) {
+        Py_ssize_t cap = t->cap;
+        while ((t->used + 1) * 2 >= cap) cap *= 2;
+        if (table_resize(t, cap, words) < 0) return -1;
+    }
+    Py_ssize_t mask = t->cap - 1, i = (Py_ssize_t)(mix(key) & (uint64_t)mask);
+    while (t->e[i].state == USED) i = (i + 1) & mask;
+    if (t->e[i].state == TOMB) t->tombs--;
+    Entry *e = &t->e[i];
+    e->key = key;
+    e->state = USED;
+    e->has_child = e->branching = 0;
+    e->first_child = 0;
+    memset(&t->bits[i * words], 0, words * sizeof(uint64_t));
+    t->used++;
+    return i;
+}
+
+static void table_del(Table *t, Py_ssize_t i) {
+    t->e[i].state = TOMB;
+    t->used--;
+    t->tombs++;
+}
+
+static void table_clear(Table *t, int words) {
+    memset(t->e, 0, t->cap * sizeof(Entry));
+    memset(t->bits, 0, t->cap * words * sizeof(uint64_t));
+    t->used = t->tombs = 0;
+}
+
+static int widen(Table *t, int words, int more) { /* the same entries, bitsets of ``more`` words */
+    uint64_t *bits = PyMem_Calloc(t->cap * more, sizeof(uint64_t));
+    if (!bits) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < t->cap; i++)
+        memcpy(&bits[i * more], &t->bits[i * words], words * sizeof(uint64_t));
+    PyMem_Free(t->bits);
+    t->bits = bits;
+    return 0;
+}
+
+static inline int bits_empty(const uint64_t *b, int words) {
+    for (int w = 0; w < words; w++)
+        if (b[w]) return 0;
+    return 1;
+}
+
+/* ----- one rank's LRU --------------------------------------------------------------------------- */
+typedef struct {
+    uint64_t key;
+    double t;
+    int32_t prev, next;
+    uint8_t state;
+} Node;
+
+typedef struct {
+    Node *n;
+    Py_ssize_t cap, used, tombs;
+    int32_t head, tail; /* head: least recently used */
+    int present;        /* the rank has an LRU (the pure index's ``key in ranks``) */
+} Rank;
+
+static int rank_init(Rank *r, Py_ssize_t cap) {
+    r->n = PyMem_Calloc(cap, sizeof(Node));
+    if (!r->n) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    r->cap = cap;
+    r->used = r->tombs = 0;
+    r->head = r->tail = -1;
+    r->present = 1;
+    return 0;
+}
+
+static void rank_free(Rank *r) {
+    PyMem_Free(r->n);
+    r->n = NULL;
+    r->cap = r->used = r->tombs = 0;
+    r->head = r->tail = -1;
+    r->present = 0;
+}
+
+static Py_ssize_t rank_find(const Rank *r, uint64_t key) {
+    if (!r->n) return -1;
+    Py_ssize_t mask = r->cap - 1, i = (Py_ssize_t)(mix(key) & (uint64_t)mask);
+    for (;;) {
+        const Node *n = &r->n[i];
+        if (n->state == EMPTY) return -1;
+        if (n->state == USED && n->key == key) return i;
+        i = (i + 1) & mask;
+    }
+}
+
+static void rank_unlink(Rank *r, int32_t i) {
+    Node *n = &r->n[i];
+    if (n->prev >= 0) r->n[n->prev].next = n->next;
+    else r->head = n->next;
+    if (n->next >= 0) r->n[n->next].prev = n->prev;
+    else r->tail = n->prev;
+    n->prev = n->next = -1;
+}
+
+static void rank_link_tail(Rank *r, int32_t i) {
+    Node *n = &r->n[i];
+    n->prev = r->tail;
+    n->next = -1;
+    if (r->tail >= 0) r->n[r->tail].next = i;
+    else r->head = i;
+    r->tail = i;
+}
+
+static int rank_resize(Rank *r, Py_ssize_t cap) {
+    Rank n;
+    if (rank_init(&n, cap) < 0) return -1;
+    Py_ssize_t mask = cap - 1;
+    for (int32_t i = r->head; i >= 0; i = r->n[i].next) {
+        Py_ssize_t j = (Py_ssize_t)(mix(r->n[i].key) & (uint64_t)mask);
+        while (n.n[j].state != EMPTY) j = (j + 1) & mask;
+        n.n[j].key = r->n[i].key;
+        n.n[j].t = r->n[i].t;
+        n.n[j].state = USED;
+        rank_link_tail(&n, (int32_t)j);
+        n.used++;
+    }
+    PyMem_Free(r->n);
+    *r = n;
+    return 0;
+}
+
+/* append ``key`` (absent) as the most recent, last used at ``t``; -1 on no memory */
+static int rank_append(Rank *r, uint64_t key, double t) {
+    if (!r->n && rank_init(r, 16) < 0) return -1;
+    if ((r->used + r->tombs + 1) * 4 >= r->cap * 3) {
+        Py_ssize_t cap = r->cap;
+        while ((r->used + 1) * 2 >= cap) cap *= 2;
+        if (cap > INT32_MAX) {
+            PyErr_SetString(PyExc_MemoryError, "a rank's index is full");
+            return -1;
+        }
+        if (rank_resize(r, cap) < 0) return -1;
+    }
+    Py_ssize_t mask = r->cap - 1, i = (Py_ssize_t)(mix(key) & (uint64_t)mask);
+    while (r->n[i].state == USED) i = (i + 1) & mask;
+    if (r->n[i].state == TOMB) r->tombs--;
+    r->n[i].key = key;
+    r->n[i].t = t;
+    r->n[i].state = USED;
+    rank_link_tail(r, (int32_t)i);
+    r->used++;
+    return 0;
+}
+
+static void rank_del(Rank *r, int32_t i) {
+    rank_unlink(r, i);
+    r->n[i].state = TOMB;
+    r->used--;
+    r->tombs++;
+}
+
+/* ----- the core -------------------------------------------------------------------------------- */
+typedef struct {
+    PyObject_HEAD
+    Table digests; /* holders, first child, branching */
+    Table lost, lost_before;
+    Rank *ranks;
+    int nranks; /* slots with a Rank allocated (present or not) */
+    int words;  /* bitset words: slots < 64 * words */
+    Py_ssize_t lost_cap;
+} Core;
+
+static int ensure_slot(Core *c, int slot) {
+    if (slot < 0) {
+        PyErr_SetString(PyExc_ValueError, "a rank slot is a non-negative int");
+        return -1;
+    }
+    if (slot >= c->nranks) {
+        Rank *ranks = PyMem_Realloc(c->ranks, (slot + 1) * sizeof(Rank));
+        if (!ranks) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        for (int i = c->nranks; i <= slot; i++) {
+            memset(&ranks[i], 0, sizeof(Rank));
+            ranks[i].head = ranks[i].tail = -1;
+        }
+        c->ranks = ranks;
+        c->nranks = slot + 1;
+    }
+    int words = slot / 64 + 1;
+    if (words > c->words) {
+        if (widen(&c->digests, c->words, words) < 0 || widen(&c->lost, c->words, words) < 0 ||
+            widen(&c->lost_before, c->words, words) < 0)
+            return -1;
+        c->words = words;
+    }
+    return 0;
+}
+
+static inline void bit_set(uint64_t *b, int slot) { b[slot >> 6] |= 1ULL << (slot & 63); }
+static inline void bit_clear(uint64_t *b, int slot) { b[slot >> 6] &= ~(1ULL << (slot & 63)); }
+static inline int bit_get(const uint64_t *b, int slot) { return (b[slot >> 6] >> (slot & 63)) & 1; }
+
+static int to_digest(PyObject *o, uint64_t *out) {
+    if (!PyLong_Check(o)) {
+        PyErr_SetString(PyExc_TypeError, "a digest is an int");
+        return -1;
+    }
+    unsigned long long v = PyLong_AsUnsignedLongLong(o);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) return -1;
+    *out = (uint64_t)v;
+    return 0;
+}
+
+/* the digests of a list, as uint64; NULL with an exception set */
+static uint64_t *digests_of(PyObject *list, Py_ssize_t *n) {
+    if (!PyList_Check(list)) {
+        PyErr_SetString(PyExc_TypeError, "digests are a list");
+        return NULL;
+    }
+    *n = PyList_GET_SIZE(list);
+    uint64_t *out = PyMem_Malloc((*n ? *n : 1) * sizeof(uint64_t));
+    if (!out) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < *n; i++) {
+        if (to_digest(PyList_GET_ITEM(list, i), &out[i]) < 0) {
+            PyMem_Free(out);
+            return NULL;
+        }
+    }
+    return out;
+}
+
+/* the digest no longer held by ``slot``: out of the digest table when nobody holds it */
+static void disown(Core *c, uint64_t key, int slot) {
+    Py_ssize_t i = table_find(&c->digests, key);
+    if (i < 0) return;
+    uint64_t *b = &c->digests.bits[i * c->words];
+    bit_clear(b, slot);
+    if (bits_empty(b, c->words)) table_del(&c->digests, i);
+}
+
+/* ``slot`` held ``key`` and lost it; the recent half becomes the older one when full */
+static int lose(Core *c, uint64_t key, int slot) {
+    Py_ssize_t i = table_add(&c->lost, key, c->words);
+    if (i < 0) return -1;
+    bit_set(&c->lost.bits[i * c->words], slot);
+    Py_ssize_t half = c->lost_cap / 2 > 1 ? c->lost_cap / 2 : 1;
+    if (c->lost.used >= half) {
+        Table old = c->lost_before;
+        c->lost_before = c->lost;
+        c->lost = old;
+        table_clear(&c->lost, c->words);
+    }
+    return 0;
+}
+
+static PyObject *Core_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    Py_ssize_t lost_cap = 200000;
+    if (!PyArg_ParseTuple(args, "|n", &lost_cap)) return NULL;
+    Core *c = (Core *)type->tp_alloc(type, 0);
+    if (!c) return NULL;
+    c->words = 1;
+    c->lost_cap = lost_cap;
+    if (table_init(&c->digests, 64, 1) < 0 || table_init(&c->lost, 64, 1) < 0 ||
+        table_init(&c->lost_before, 64, 1) < 0) {
+        Py_DECREF(c);
+        return NULL;
+    }
+    return (PyObject *)c;
+}
+
+static void Core_dealloc(Core *c) {
+    table_free(&c->digests);
+    table_free(&c->lost);
+    table_free(&c->lost_before);
+    for (int i = 0; i < c->nranks; i++) rank_free(&c->ranks[i]);
+    PyMem_Free(c->ranks);
+    Py_TYPE(c)->tp_free((PyObject *)c);
+}
+
+static Rank *rank_of(Core *c, int slot, int create) {
+    if (slot < 0 || slot >= c->nranks) {
+        if (!create) return NULL;
+        if (ensure_slot(c, slot) < 0) return NULL;
+    }
+    Rank *r = &c->ranks[slot];
+    if (!r->present) {
+        if (!create) return NULL;
+        if (rank_init(r, 16) < 0) return NULL;
+    }
+    return r;
+}
+
+/* insert(slot, digests, now): rank ``slot`` holds ``digests`` (the head the most recent) */
+static PyObject *Core_insert(Core *c, PyObject *args) {
+    int slot;
+    PyObject *list;
+    double now;
+    if (!PyArg_ParseTuple(args, "iO!d", &slot, &PyList_Type, &list, &now)) return NULL;
+    Py_ssize_t n;
+    uint64_t *d = digests_of(list, &n);
+    if (!d) return NULL;
+    Rank *r = rank_of(c, slot, 1);
+    if (!r) goto fail;
+    int words = c->words;
+    for (Py_ssize_t i = 0; i + 1 < n; i++) { /* fan-out: each parent's first child */
+        Py_ssize_t e = table_add(&c->digests, d[i], words);
+        if (e < 0) goto fail;
+        Entry *p = &c->digests.e[e];
+        if (!p->has_child) {
+            p->has_child = 1;
+            p->first_child = d[i + 1];
+        } else if (p->first_child != d[i + 1]) {
+            p->branching = 1;
+        }
+    }
+    for (Py_ssize_t i = n - 1; i >= 0; i--) { /* the head ends most recent */
+        Py_ssize_t at = rank_find(r, d[i]);
+        if (at >= 0) {
+            rank_unlink(r, (int32_t)at);
+            rank_link_tail(r, (int32_t)at);
+            r->n[at].t = now;
+        } else {
+            Py_ssize_t e = table_add(&c->digests, d[i], words);
+            if (e < 0) goto fail;
+            bit_set(&c->digests.bits[e * words], slot);
+            if (rank_append(r, d[i], now) < 0) goto fail;
+        }
+    }
+    PyMem_Free(d);
+    Py_RETURN_NONE;
+fail:
+    PyMem_Free(d);
+    return NULL;
+}
+
+/* trim(slot, capacity, deadline) -> evicted: the least recently used past ``capacity`` and
+ * those last used before ``deadline`` leave (disowned, remembered as lost) */
+static PyObject *Core_trim(Core *c, PyObject *args) {
+    int slot;
+    Py_ssize_t capacity;
+    double deadline;
+    if (!PyArg_ParseTuple(args, "ind", &slot, &capacity, &deadline)) return NULL;
+    Rank *r = rank_of(c, slot, 0);
+    if (!r || r->head < 0) return PyLong_FromLong(0);
+    Py_ssize_t excess = r->used - capacity, evicted = 0;
+    while (r->head >= 0 && (excess > 0 || r->n[r->head].t < deadline)) {
+        int32_t i = r->head;
+        uint64_t key = r->n[i].key;
+        rank_del(r, i);
+        excess--;
+        evicted++;
+        disown(c, key, slot);
+        if (lose(c, key, slot) < 0) return NULL;
+    }
+    return PyLong_FromSsize_t(evicted);
+}
+
+/* remove(slot, digests) -> how many the rank had (its engine evicted them) */
+static PyObject *Core_remove(Core *c, PyObject *args) {
+    int slot;
+    PyObject *list;
+    if (!PyArg_ParseTuple(args, "iO!", &slot, &PyList_Type, &list)) return NULL;
+    Rank *r = rank_of(c, slot, 0);
+    if (!r) return PyLong_FromLong(0);
+    Py_ssize_t n, removed = 0;
+    uint64_t *d = digests_of(list, &n);
+    if (!d) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t at = rank_find(r, d[i]);
+        if (at < 0) continue;
+        rank_del(r, (int32_t)at);
+        disown(c, d[i], slot);
+        if (lose(c, d[i], slot) < 0) {
+            PyMem_Free(d);
+            return NULL;
+        }
+        removed++;
+    }
+    PyMem_Free(d);
+    return PyLong_FromSsize_t(removed);
+}
+
+/* replace(slot, digests, now): the rank holds exactly ``digests``, all last used ``now`` */
+static PyObject *Core_replace(Core *c, PyObject *args) {
+    int slot;
+    PyObject *list;
+    double now;
+    if (!PyArg_ParseTuple(args, "iO!d", &slot, &PyList_Type, &list, &now)) return NULL;
+    Py_ssize_t n;
+    uint64_t *d = digests_of(list, &n);
+    if (!d) return NULL;
+    Rank *r = rank_of(c, slot, 1);
+    Table keep = {0};
+    if (!r || table_init(&keep, 16, 1) < 0) goto fail;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (table_add(&keep, d[i], 1) < 0) goto fail;
+    for (int32_t i = r->head; i >= 0;) { /* what it no longer holds: removed, oldest first */
+        int32_t next = r->n[i].next;
+        uint64_t key = r->n[i].key;
+        if (table_find(&keep, key) < 0) {
+            rank_del(r, i);
+            disown(c, key, slot);
+            if (lose(c, key, slot) < 0) goto fail;
+        }
+        i = next;
+    }
+    int words = c->words;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t at = rank_find(r, d[i]);
+        if (at >= 0) {
+            rank_unlink(r, (int32_t)at);
+            rank_link_tail(r, (int32_t)at);
+            r->n[at].t = now;
+        } else {
+            Py_ssize_t e = table_add(&c->digests, d[i], words);
+            if (e < 0) goto fail;
+            bit_set(&c->digests.bits[e * words], slot);
+            if (rank_append(r, d[i], now) < 0) goto fail;
+        }
+    }
+    table_free(&keep);
+    PyMem_Free(d);
+    Py_RETURN_NONE;
+fail:
+    table_free(&keep);
+    PyMem_Free(d);
+    return NULL;
+}
+
+/* remove_rank(slot): the rank is gone; what it held is disowned (not lost) */
+static PyObject *Core_remove_rank(Core *c, PyObject *args) {
+    int slot;
+    if (!PyArg_ParseTuple(args, "i", &slot)) return NULL;
+    Rank *r = rank_of(c, slot, 0);
+    if (r) {
+        for (int32_t i = r->head; i >= 0; i = r->n[i].next) disown(c, r->n[i].key, slot);
+        rank_free(r);
+    }
+    Py_RETURN_NONE;
+}
+
+/* lookup(digests, keys, slots) -> (matched {key: leading blocks}, shared blocks); ``keys``: slot
+ * -> rank key; ``slots``: the ranks to match (None: every rank with an LRU) */
+static PyObject *Core_lookup(Core *c, PyObject *args) {
+    PyObject *list, *keys, *slots;
+    if (!PyArg_ParseTuple(args, "O!O!O", &PyList_Type, &list, &PyList_Type, &keys, &slots))
+        return NULL;
+    int words = c->words;
+    uint64_t alive[words], still[words], gone[words];
+    memset(alive, 0, sizeof(alive));
+    if (slots == Py_None) {
+        for (int s = 0; s < c->nranks && s < 64 * words; s++)
+            if (c->ranks[s].present) bit_set(alive, s);
+    } else {
+        if (!PyList_Check(slots)) {
+            PyErr_SetString(PyExc_TypeError, "slots are a list or None");
+            return NULL;
+        }
+        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(slots); i++) {
+            long s = PyLong_AsLong(PyList_GET_ITEM(slots, i));
+            if (s == -1 && PyErr_Occurred()) return NULL;
+            if (s >= 0 && s < 64 * words) bit_set(alive, (int)s);
+        }
+    }
+    PyObject *matched = PyDict_New();
+    if (!matched) return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(list), depth = 0, shared = 0;
+    int any = !bits_empty(alive, words);
+    uint64_t d = 0, next = 0;
+    if (n && to_digest(PyList_GET_ITEM(list, 0), &next) < 0) goto fail;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        d = next;
+        if (i + 1 < n && to_digest(PyList_GET_ITEM(list, i + 1), &next) < 0) goto fail;
+        Py_ssize_t e = table_find(&c->digests, d);
+        if (e < 0) break;
+        const uint64_t *holders = &c->digests.bits[e * words];
+        if (any) {
+            int changed = 0;
+            for (int w = 0; w < words; w++) {
+                still[w] = alive[w] & holders[w];
+                gone[w] = alive[w] & ~holders[w];
+                changed |= gone[w] != 0;
+            }
+            if (changed) { /* the ones that dropped out matched ``depth`` */
+                if (depth) {
+                    for (int s = 0; s < 64 * words; s++) {
+                        if (!bit_get(gone, s)) continue;
+                        PyObject *v = PyLong_FromSsize_t(depth);
+                        if (!v || s >= PyList_GET_SIZE(keys) ||
+                            PyDict_SetItem(matched, PyList_GET_ITEM(keys, s), v) < 0) {
+                            Py_XDECREF(v);
+                            if (!PyErr_Occurred())
+                                PyErr_SetString(PyExc_IndexError, "a slot without a key");
+                            goto fail;
+                        }
+                        Py_DECREF(v);
+                    }
+                }
+                memcpy(alive, still, sizeof(alive));
+                any = !bits_empty(alive, words);
+            }
+            if (any) depth++;
+        }
+        const Entry *entry = &c->digests.e[e];
+        if (entry->branching) shared = i + 1;
+        else if (entry->has_child && i + 1 < n && entry->first_child != next) shared = i + 1;
+    }
+    if (any && depth) {
+        for (int s = 0; s < 64 * words; s++) {
+            if (!bit_get(alive, s)) continue;
+            PyObject *v = PyLong_FromSsize_t(depth);
+            if (!v || s >= PyList_GET_SIZE(keys) ||
+                PyDict_SetItem(matched, PyList_GET_ITEM(keys, s), v) < 0) {
+                Py_XDECREF(v);
+                if (!PyErr_Occurred()) PyErr_SetString(PyExc_IndexError, "a slot without a key");
+                goto fail;
+            }
+            Py_DECREF(v);
+        }
+    }
+    return Py_BuildValue("(Nn)", matched, shared);
+fail:
+    Py_DECREF(matched);
+    return NULL;
+}
+
+/* evicted_run(slot, digests, start) -> blocks from ``start`` on the rank held and lost, in a row */
+static PyObject *Core_evicted_run(Core *c, PyObject *args) {
+    int slot;
+    PyObject *list;
+    Py_ssize_t start;
+    if (!PyArg_ParseTuple(args, "iO!n", &slot, &PyList_Type, &list, &start)) return NULL;
+    if (slot < 0 || slot >= 64 * c->words) return PyLong_FromLong(0);
+    Py_ssize_t run = 0, n = PyList_GET_SIZE(list);
+    for (Py_ssize_t i = start < 0 ? 0 : start; i < n; i++) {
+        uint64_t d;
+        if (to_digest(PyList_GET_ITEM(list, i), &d) < 0) return NULL;
+        Py_ssize_t a = table_find(&c->lost, d), b = table_find(&c->lost_before, d);
+        int held = (a >= 0 && bit_get(&c->lost.bits[a * c->words], slot)) ||
+                   (b >= 0 && bit_get(&c->lost_before.bits[b * c->words], slot));
+        if (!held) break;
+        run++;
+    }
+    return PyLong_FromSsize_t(run);
+}
+
+static PyObject *Core_size(Core *c, PyObject *args) {
+    int slot;
+    if (!PyArg_ParseTuple(args, "i", &slot)) return NULL;
+    Rank *r = rank_of(c, slot, 0);
+    return PyLong_FromSsize_t(r ? r->used : 0);
+}
+
+/* oldest(slot) -> the least recent last use, or None */
+static PyObject *Core_oldest(Core *c, PyObject *args) {
+    int slot;
+    if (!PyArg_ParseTuple(args, "i", &slot)) return NULL;
+    Rank *r = rank_of(c, slot, 0);
+    if (!r || r->head < 0) Py_RETURN_NONE;
+    return PyFloat_FromDouble(r->n[r->head].t);
+}
+
+static PyObject *Core_present(Core *c, PyObject *args) {
+    int slot;
+    if (!PyArg_ParseTuple(args, "i", &slot)) return NULL;
+    return PyBool_FromLong(rank_of(c, slot, 0) != NULL);
+}
+
+static PyObject *mask_of(const uint64_t *b, int words) { /* a bitset as a Python int */
+    PyObject *out = PyLong_FromLong(0);
+    for (int w = words - 1; w >= 0 && out; w--) {
+        PyObject *shift = PyLong_FromLong(64), *shifted = NULL, *word = NULL, *next = NULL;
+        if (shift) shifted = PyNumber_Lshift(out, shift);
+        if (shifted) word = PyLong_FromUnsignedLongLong(b[w]);
+        if (word) next = PyNumber_Or(shifted, word);
+        Py_XDECREF(shift);
+        Py_XDECREF(shifted);
+        Py_XDECREF(word);
+        Py_DECREF(out);
+        out = next;
+    }
+    return out;
+}
+
+/* holders(digest) -> the holders' bitset as an int (bit s: slot s) */
+static PyObject *Core_holders(Core *c, PyObject *arg) {
+    uint64_t d;
+    if (to_digest(arg, &d) < 0) {
+        if (!PyErr_ExceptionMatches(PyExc_OverflowError)) return NULL;
+        PyErr_Clear();
+        return PyLong_FromLong(0);
+    }
+    Py_ssize_t e = table_find(&c->digests, d);
+    if (e < 0) return PyLong_FromLong(0);
+    return mask_of(&c->digests.bits[e * c->words], c->words);
+}
+
+/* items(slot) -> [(digest, last use)], least recent first */
+static PyObject *Core_items(Core *c, PyObject *args) {
+    int slot;
+    if (!PyArg_ParseTuple(args, "i", &slot)) return NULL;
+    PyObject *out = PyList_New(0);
+    Rank *r = rank_of(c, slot, 0);
+    if (!out || !r) return out;
+    for (int32_t i = r->head; i >= 0; i = r->n[i].next) {
+        PyObject *item = Py_BuildValue("(Kd)", (unsigned long long)r->n[i].key, r->n[i].t);
+        if (!item || PyList_Append(out, item) < 0) {
+            Py_XDECREF(item);
+            Py_DECREF(out);
+            return NULL;
+        }
+        Py_DECREF(item);
+    }
+    return out;
+}
+
+/* table_dict(which) -> {digest: bitset int} of 0: the holders, 1: lost, 2: lost before */
+static PyObject *Core_table_dict(Core *c, PyObject *args) {
+    int which;
+    if (!PyArg_ParseTuple(args, "i", &which)) return NULL;
+    Table *t = which == 0 ? &c->digests : which == 1 ? &c->lost : &c->lost_before;
+    PyObject *out = PyDict_New();
+    for (Py_ssize_t i = 0; out && i < t->cap; i++) {
+        if (t->e[i].state != USED) continue;
+        PyObject *k = PyLong_FromUnsignedLongLong(t->e[i].key);
+        PyObject *v = mask_of(&t->bits[i * c->words], c->words);
+        if (!k || !v || PyDict_SetItem(out, k, v) < 0) Py_CLEAR(out);
+        Py_XDECREF(k);
+        Py_XDECREF(v);
+    }
+    return out;
+}
+
+/* fan_out() -> ({parent: first child}, {branching digests}) */
+static PyObject *Core_fan_out(Core *c, PyObject *unused) {
+    PyObject *children = PyDict_New(), *branching = PySet_New(NULL);
+    for (Py_ssize_t i = 0; children && branching && i < c->digests.cap; i++) {
+        const Entry *e = &c->digests.e[i];
+        if (e->state != USED) continue;
+        PyObject *k = PyLong_FromUnsignedLongLong(e->key);
+        if (!k) goto fail;
+        if (e->has_child) {
+            PyObject *v = PyLong_FromUnsignedLongLong(e->first_child);
+            if (!v || PyDict_SetItem(children, k, v) < 0) {
+                Py_XDECREF(v);
+                Py_DECREF(k);
+                goto fail;
+            }
+            Py_DECREF(v);
+        }
+        if (e->branching && PySet_Add(branching, k) < 0) {
+            Py_DECREF(k);
+            goto fail;
+        }
+        Py_DECREF(k);
+    }
+    if (!children || !branching) goto fail;
+    return Py_BuildValue("(NN)", children, branching);
+fail:
+    Py_XDECREF(children);
+    Py_XDECREF(branching);
+    return NULL;
+}
+
+static PyObject *Core_lost_sizes(Core *c, PyObject *unused) {
+    return Py_BuildValue("(nn)", c->lost.used, c->lost_before.used);
+}
+
+static PyObject *Core_get_lost_cap(Core *c, void *closure) { return PyLong_FromSsize_t(c->lost_cap); }
+
+static int Core_set_lost_cap(Core *c, PyObject *value, void *closure) {
+    Py_ssize_t cap = value ? PyLong_AsSsize_t(value) : -1;
+    if (cap == -1 && PyErr_Occurred()) return -1;
+    if (cap < 0) {
+        PyErr_SetString(PyExc_ValueError, "lost_cap is a non-negative int");
+        return -1;
+    }
+    c->lost_cap = cap;
+    return 0;
+}
+
+static PyMethodDef Core_methods[] = {
+    {"insert", (PyCFunction)Core_insert, METH_VARARGS, NULL},
+    {"trim", (PyCFunction)Core_trim, METH_VARARGS, NULL},
+    {"remove", (PyCFunction)Core_remove, METH_VARARGS, NULL},
+    {"replace", (PyCFunction)Core_replace, METH_VARARGS, NULL},
+    {"remove_rank", (PyCFunction)Core_remove_rank, METH_VARARGS, NULL},
+    {"lookup", (PyCFunction)Core_lookup, METH_VARARGS, NULL},
+    {"evicted_run", (PyCFunction)Core_evicted_run, METH_VARARGS, NULL},
+    {"size", (PyCFunction)Core_size, METH_VARARGS, NULL},
+    {"oldest", (PyCFunction)Core_oldest, METH_VARARGS, NULL},
+    {"present", (PyCFunction)Core_present, METH_VARARGS, NULL},
+    {"holders", (PyCFunction)Core_holders, METH_O, NULL},
+    {"items", (PyCFunction)Core_items, METH_VARARGS, NULL},
+    {"table_dict", (PyCFunction)Core_table_dict, METH_VARARGS, NULL},
+    {"fan_out", (PyCFunction)Core_fan_out, METH_NOARGS, NULL},
+    {"lost_sizes", (PyCFunction)Core_lost_sizes, METH_NOARGS, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Core_getset[] = {
+    {"lost_cap", (getter)Core_get_lost_cap, (setter)Core_set_lost_cap, NULL, NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject CoreType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "dpmesh_prefix_core.Core",
+    .tp_basicsize = sizeof(Core),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = Core_new,
+    .tp_dealloc = (destructor)Core_dealloc,
+    .tp_methods = Core_methods,
+    .tp_getset = Core_getset,
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "dpmesh_prefix_core", NULL, -1, NULL};
+
+PyMODINIT_FUNC PyInit_dpmesh_prefix_core(void) {
+    if (PyType_Ready(&CoreType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (!m) return NULL;
+    Py_INCREF(&CoreType);
+    if (PyModule_AddObject(m, "Core", (PyObject *)&CoreType) < 0) {
+        Py_DECREF(&CoreType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
