@@ -254,3 +254,34 @@ def test_known_ids_are_used_as_given(tiny_path):
     ids = list(range(100, 164))
     shape = shape_request({"prompt": "anything"}, False, tiny_path, BLOCK, {tiny_path: ids})
     assert shape.digests == chain_digests(ids, BLOCK) and shape.prompt_tokens == 64
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_native_cores_digests_are_the_pure_ones(seed):
+    """The router digests prompts in its native core (apps/routing/decision/csrc/prefix_core.c)
+    where it built: the same chained xxh64 as the engine's Python, byte for byte (chunk and block
+    edges, seeds and parents of all 64 bits, ids of the whole int32 range)."""
+    import random
+
+    from apps.routing.decision import request_shape
+    from apps.routing.decision.index import core_module
+
+    core = core_module()
+    if core is None:
+        pytest.fail("the native core did not build (tests/routing/test_index.py says why)")
+    rng = random.Random(seed)
+    for _ in range(400):
+        data = rng.randbytes(rng.randrange(0, 300))
+        start, chunk = rng.choice((0, rng.getrandbits(64))), rng.choice((1, 7, 8, 32, 33, 64))
+        want, digest = [], start
+        for at in range(0, len(data) - chunk + 1, chunk):
+            digest = xxhash.xxh64_intdigest(data[at : at + chunk], digest)
+            want.append(digest)
+        assert core.text_digests(data, start, chunk) == want
+        ids = [rng.randrange(-(2**31), 2**31) for _ in range(rng.randrange(0, 80))]
+        block, parent = rng.choice((1, 3, 16)), rng.choice((None, rng.getrandbits(64)))
+        assert request_shape.chain_digests(ids, block, parent) == chain_digests(ids, block, parent)
+    text = "na\u00efve " * 50
+    assert request_shape.text_digests(text, 5) == core.text_digests(text.encode(), 5, CHUNK_CHARS)
+    with pytest.raises(OverflowError):
+        core.chain_digests([2**31], 1, None)

@@ -18,7 +18,9 @@ import os
 
 import xxhash
 
-from engine.digests import chain_digests, namespace
+from apps.routing.decision.index import core_module
+from engine import digests as engine_digests
+from engine.digests import namespace
 from engine.tokenize_cache import TooManyTokens, encode_text
 from serving.openai_fields import OFF_LOOP_CHARS, prompt_text_chars
 
@@ -133,15 +135,29 @@ def tenant_namespace(body: dict, adapter: str | None = None) -> int | None:
 
 def text_digests(text: str, parent: int | None = None) -> list[int]:
     """The chained digests of ``text``'s whole 64-byte chunks (UTF-8): each chunk hashed with its
-    parent's digest as the seed (``parent``: the first chunk's, a tenant's namespace; 0 without)."""
-    digests: list[int] = []
+    parent's digest as the seed (``parent``: the first chunk's, a tenant's namespace; 0 without).
+    In the native core where it built (one call, not a hash call a chunk)."""
     data = text.encode()
+    if _CORE is not None:
+        return _CORE.text_digests(data, parent or 0, CHUNK_CHARS)
+    digests: list[int] = []
     seed = parent or 0
     digest, append = xxhash.xxh64_intdigest, digests.append
     for start in range(0, len(data) - CHUNK_CHARS + 1, CHUNK_CHARS):
         seed = digest(data[start : start + CHUNK_CHARS], seed)
         append(seed)
     return digests
+
+
+def chain_digests(ids, block_size: int, parent: int | None = None) -> list[int]:
+    """engine/digests.py ``chain_digests`` (the engine's own digests of token ids), in the
+    native core where it built."""
+    if _CORE is None or type(ids) is not list:
+        return engine_digests.chain_digests(ids, block_size, parent)
+    return _CORE.chain_digests(ids, block_size, parent)
+
+
+_CORE = core_module()
 
 
 class RequestShape:

@@ -821,7 +821,176 @@ static PyTypeObject CoreType = {
     .tp_getset = Core_getset,
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "dpmesh_prefix_core", NULL, -1, NULL};
+
+/* ----- XXH64 (the xxhash package's ``xxh64_intdigest``), for the chained digests ------------ */
+#define P1 0x9E3779B185EBCA87ULL
+#define P2 0xC2B2AE3D27D4EB4FULL
+#define P3 0x165667B19E3779F9ULL
+#define P4 0x85EBCA77C2B2AE63ULL
+#define P5 0x27D4EB2F165667C5ULL
+
+static inline uint64_t rotl(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
+
+static inline uint64_t read64(const uint8_t *p) { /* little-endian */
+    uint64_t v;
+    memcpy(&v, p, 8);
+#if __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    v = __builtin_bswap64(v);
+#endif
+    return v;
+}
+
+static inline uint32_t read32(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+#if __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    v = __builtin_bswap32(v);
+#endif
+    return v;
+}
+
+static inline uint64_t xround(uint64_t acc, uint64_t input) {
+    acc += input * P2;
+    acc = rotl(acc, 31);
+    return acc * P1;
+}
+
+static inline uint64_t xmerge(uint64_t acc, uint64_t v) {
+    acc ^= xround(0, v);
+    return acc * P1 + P4;
+}
+
+static uint64_t xxh64(const uint8_t *p, size_t len, uint64_t seed) {
+    const uint8_t *end = p + len;
+    uint64_t h;
+    if (len >= 32) {
+        uint64_t v1 = seed + P1 + P2, v2 = seed + P2, v3 = seed, v4 = seed - P1;
+        const uint8_t *limit = end - 32;
+        do {
+            v1 = xround(v1, read64(p));
+            v2 = xround(v2, read64(p + 8));
+            v3 = xround(v3, read64(p + 16));
+            v4 = xround(v4, read64(p + 24));
+            p += 32;
+        } while (p <= limit);
+        h = rotl(v1, 1) + rotl(v2, 7) + rotl(v3, 12) + rotl(v4, 18);
+        h = xmerge(h, v1);
+        h = xmerge(h, v2);
+        h = xmerge(h, v3);
+        h = xmerge(h, v4);
+    } else {
+        h = seed + P5;
+    }
+    h += (uint64_t)len;
+    while (p + 8 <= end) {
+        h ^= xround(0, read64(p));
+        h = rotl(h, 27) * P1 + P4;
+        p += 8;
+    }
+    if (p + 4 <= end) {
+        h ^= (uint64_t)read32(p) * P1;
+        h = rotl(h, 23) * P2 + P3;
+        p += 4;
+    }
+    while (p < end) {
+        h ^= (*p) * P5;
+        h = rotl(h, 11) * P1;
+        p++;
+    }
+    h ^= h >> 33;
+    h *= P2;
+    h ^= h >> 29;
+    h *= P3;
+    h ^= h >> 32;
+    return h;
+}
+
+/* text_digests(data, seed, chunk) -> the chained digests of ``data``'s whole ``chunk``-byte
+ * chunks, each hashed with the previous digest as its seed (the first with ``seed``): the
+ * router's digests of a prompt it has no tokenizer for (request_shape.text_digests) */
+static PyObject *text_digests(PyObject *module, PyObject *args) {
+    Py_buffer data;
+    unsigned long long seed;
+    Py_ssize_t chunk;
+    if (!PyArg_ParseTuple(args, "y*Kn", &data, &seed, &chunk)) return NULL;
+    if (chunk <= 0) {
+        PyBuffer_Release(&data);
+        PyErr_SetString(PyExc_ValueError, "chunk must be positive");
+        return NULL;
+    }
+    Py_ssize_t n = data.len / chunk;
+    PyObject *out = PyList_New(n);
+    uint64_t h = seed;
+    for (Py_ssize_t i = 0; out && i < n; i++) {
+        h = xxh64((const uint8_t *)data.buf + i * chunk, (size_t)chunk, h);
+        PyObject *v = PyLong_FromUnsignedLongLong(h);
+        if (!v) Py_CLEAR(out);
+        else PyList_SET_ITEM(out, i, v);
+    }
+    PyBuffer_Release(&data);
+    return out;
+}
+
+/* chain_digests(ids, block_size, parent) -> engine/digests.py ``chain_digests``: each full block's
+ * xxh64 (seed 0) over its parent's digest (8 little-endian bytes; none for a first block without
+ * ``parent``) and its token ids as int32 little-endian. ``ids``: a list of ints */
+static PyObject *chain_digests(PyObject *module, PyObject *args) {
+    PyObject *ids, *parent_obj, *out = NULL;
+    Py_ssize_t block;
+    if (!PyArg_ParseTuple(args, "O!nO", &PyList_Type, &ids, &block, &parent_obj)) return NULL;
+    if (block <= 0) {
+        PyErr_SetString(PyExc_ValueError, "block_size must be positive");
+        return NULL;
+    }
+    int chained = parent_obj != Py_None;
+    uint64_t parent = 0;
+    if (chained && to_digest(parent_obj, &parent) < 0) return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(ids) / block;
+    uint8_t *scratch = PyMem_Malloc(8 + 4 * block);
+    if (!scratch) return PyErr_NoMemory();
+    out = PyList_New(n);
+    for (Py_ssize_t i = 0; out && i < n; i++) {
+        uint8_t *at = scratch + 8;
+        for (Py_ssize_t j = 0; j < block; j++, at += 4) {
+            long id = PyLong_AsLong(PyList_GET_ITEM(ids, i * block + j));
+            if ((id == -1 && PyErr_Occurred()) || id < INT32_MIN || id > INT32_MAX) {
+                if (!PyErr_Occurred())
+                    PyErr_SetString(PyExc_OverflowError, "a token id out of int32's range");
+                Py_CLEAR(out);
+                break;
+            }
+            uint32_t u = (uint32_t)(int32_t)id;
+            at[0] = (uint8_t)u;
+            at[1] = (uint8_t)(u >> 8);
+            at[2] = (uint8_t)(u >> 16);
+            at[3] = (uint8_t)(u >> 24);
+        }
+        if (!out) break;
+        uint64_t h;
+        if (chained) {
+            for (int b = 0; b < 8; b++) scratch[b] = (uint8_t)(parent >> (8 * b));
+            h = xxh64(scratch, 8 + 4 * (size_t)block, 0);
+        } else {
+            h = xxh64(scratch + 8, 4 * (size_t)block, 0);
+        }
+        parent = h;
+        chained = 1;
+        PyObject *v = PyLong_FromUnsignedLongLong(h);
+        if (!v) Py_CLEAR(out);
+        else PyList_SET_ITEM(out, i, v);
+    }
+    PyMem_Free(scratch);
+    return out;
+}
+
+static PyMethodDef module_methods[] = {
+    {"text_digests", text_digests, METH_VARARGS, NULL},
+    {"chain_digests", chain_digests, METH_VARARGS, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "dpmesh_prefix_core", NULL, -1,
+                                    module_methods};
 
 PyMODINIT_FUNC PyInit_dpmesh_prefix_core(void) {
     if (PyType_Ready(&CoreType) < 0) return NULL;
