@@ -9,8 +9,12 @@ event per read, nothing to batch); each router in turn (ours ``runrouter --dp-aw
 non-streamed cost, divided by the events, is what one event costs it::
 
     .venv/bin/python -m bench.runs.stream_relay [--tokens 200] [--requests 200] \\
-        [--plain-requests 5000] \\
+        [--plain-requests 5000] [--rounds 1] \\
         [--routers dpmesh dpmesh:uvicorn sglang vllm-router] [--vllm-router PATH]
+
+``--rounds N`` runs every router in turn N times (interleaved: one router's figures move 5-10 %
+from run to run on a 2-core host, as much as a change measured) and ends with each figure's
+median over the rounds, and its ratio to sglang-router's.
 
 ``dpmesh:SERVER`` is ours under that ASGI server (``runrouter --server``; plain ``dpmesh``: the
 default); ``vllm-router`` is vllm-router's ``cache_aware`` (``pip install vllm-router==0.1.17`` in
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import statistics
 import sys
 import tempfile
 import time
@@ -84,7 +89,9 @@ def main(argv=None) -> int:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--routers", nargs="+", default=["dpmesh", "sglang"])
     parser.add_argument("--vllm-router", default="vllm-router", help="the vllm-router executable")
+    parser.add_argument("--rounds", type=int, default=1, help="each router in turn, this often")
     args = parser.parse_args(argv)
+    figures: dict[str, list[tuple[float, float, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         port = free_port()
@@ -92,9 +99,9 @@ def main(argv=None) -> int:
                        "--dp-size", "4", "--tokens", str(args.tokens),
                        "--token-interval-s", str(args.token_interval_s)]  # fmt: skip
         with start(standin_cmd, f"http://127.0.0.1:{port}", workdir / "standin.log") as standin:
-            for kind in args.routers:
+            for kind in [kind for _ in range(args.rounds) for kind in args.routers]:
                 port = free_port()
-                env = {"DATABASE_URL": f"sqlite:///{workdir}/{kind}.sqlite3"}
+                env = {"DATABASE_URL": f"sqlite:///{workdir}/{kind}-{port}.sqlite3"}
                 cmd = relay_router_cmd(kind, standin.url, port, args.vllm_router)
                 with start(cmd, f"http://127.0.0.1:{port}", workdir / f"{kind}.log", env=env,
                            timeout=120) as router:  # fmt: skip
@@ -107,10 +114,30 @@ def main(argv=None) -> int:
                 events = args.tokens + 3  # the text events, the finish event, usage, [DONE]
                 per_event_us = 1000 * (streamed - plain) / events
                 print(f"{kind:<15} streamed {streamed:6.2f} ms CPU a request ({wall:.1f} s wall), "
-                      f"not streamed {plain:5.2f} ms; {per_event_us:5.1f} us an event "
+                      f"not streamed {plain:6.3f} ms; {per_event_us:5.1f} us an event "
                       f"({args.tokens} tokens, {args.token_interval_s * 1000:g} ms apart)",
                       flush=True)  # fmt: skip
+                figures.setdefault(kind, []).append((streamed, plain, per_event_us))
+    if args.rounds > 1:
+        summarize(figures)
     return 0
+
+
+def summarize(figures: dict[str, list[tuple[float, float, float]]]) -> None:
+    """Each router's median figures over the rounds, and their ratios to sglang-router's."""
+    medians = {kind: [statistics.median(f[i] for f in runs) for i in range(3)]
+               for kind, runs in figures.items()}  # fmt: skip
+    peer = medians.get("sglang")
+    print(f"medians over {len(next(iter(figures.values())))} rounds:")
+    for kind, (streamed, plain, event) in medians.items():
+        ratios = ""
+        if peer is not None and kind != "sglang":
+            ratios = (f"  ({streamed / peer[0]:.2f}x / {plain / peer[1]:.2f}x / "
+                      f"{event / peer[2]:.2f}x sglang-router's)")  # fmt: skip
+        print(
+            f"{kind:<15} streamed {streamed:6.2f} ms, not streamed {plain:6.3f} ms, "
+            f"{event:5.1f} us an event{ratios}"
+        )
 
 
 if __name__ == "__main__":
