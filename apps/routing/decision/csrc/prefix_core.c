@@ -12,7 +12,8 @@
  *
  * Digests are unsigned 64-bit ints (xxh64). Rank slots are small ints the Python side assigns
  * (never reused); the bitsets grow a word at a time as slots are assigned. Open addressing with
- * linear probing and tombstones; a rank's list links slot indices, rebuilt on a resize. The
+ * linear probing, at most half full, deleting by moving back what probed past the hole (no
+ * tombstones); a rank's list links slot indices, relinked when a node moves. The
  * semantics are the pure-Python index's, operation by operation: tests/routing/test_index.py
  * runs both and compares them on random operation sequences. */
 
@@ -23,7 +24,6 @@
 
 #define EMPTY 0
 #define USED 1
-#define TOMB 2
 
 static inline uint64_t mix(uint64_t x) { /* splitmix64's finalizer: tests use small digests */
     x ^= x >> 30;
@@ -35,26 +35,30 @@ static inline uint64_t mix(uint64_t x) { /* splitmix64's finalizer: tests use sm
 }
 
 /* ----- a table of digests, each with a bitset of ``words`` words ----------------------------- */
+/* An entry and its bitset lie together (``stride`` bytes: 32 for up to 64 ranks), so a probe
+ * touches one cache line, not one in the entries and one in a separate array of bitsets. */
 typedef struct {
     uint64_t key;
     uint64_t first_child;
     uint8_t state, has_child, branching;
-} Entry;
+} Entry; /* followed by its ``words`` bitset words */
 
 typedef struct {
-    Entry *e;
-    uint64_t *bits; /* cap * words */
-    Py_ssize_t cap, used, tombs;
+    char *e; /* cap entries of ``stride`` bytes */
+    Py_ssize_t cap, used, stride;
+    int words;
 } Table;
 
+#define ENTRY(t, i) ((Entry *)((t)->e + (i) * (t)->stride))
+#define BITS(t, i) ((uint64_t *)((t)->e + (i) * (t)->stride + sizeof(Entry)))
+
 static int table_init(Table *t, Py_ssize_t cap, int words) {
-    t->e = PyMem_Calloc(cap, sizeof(Entry));
-    t->bits = PyMem_Calloc(cap * words, sizeof(uint64_t));
+    t->stride = sizeof(Entry) + words * sizeof(uint64_t);
+    t->e = PyMem_Calloc(cap, t->stride);
     t->cap = cap;
-    t->used = t->tombs = 0;
-    if (!t->e || !t->bits) {
-        PyMem_Free(t->e);
-        PyMem_Free(t->bits);
+    t->used = 0;
+    t->words = words;
+    if (!t->e) {
         PyErr_NoMemory();
         return -1;
     }
@@ -63,32 +67,35 @@ static int table_init(Table *t, Py_ssize_t cap, int words) {
 
 static void table_free(Table *t) {
     PyMem_Free(t->e);
-    PyMem_Free(t->bits);
     t->e = NULL;
-    t->bits = NULL;
-    t->cap = t->used = t->tombs = 0;
+    t->cap = t->used = 0;
+}
+
+static inline Py_ssize_t home(const Table *t, uint64_t key) {
+    return (Py_ssize_t)(mix(key) & (uint64_t)(t->cap - 1));
 }
 
 static Py_ssize_t table_find(const Table *t, uint64_t key) {
-    Py_ssize_t mask = t->cap - 1, i = (Py_ssize_t)(mix(key) & (uint64_t)mask);
+    Py_ssize_t mask = t->cap - 1, i = home(t, key);
     for (;;) {
-        const Entry *e = &t->e[i];
+        const Entry *e = ENTRY(t, i);
         if (e->state == EMPTY) return -1;
         if (e->state == USED && e->key == key) return i;
         i = (i + 1) & mask;
     }
 }
 
+/* the same entries in a table of ``cap`` entries with bitsets of ``words`` words (>= its own) */
 static int table_resize(Table *t, Py_ssize_t cap, int words) {
     Table n;
     if (table_init(&n, cap, words) < 0) return -1;
     Py_ssize_t mask = cap - 1;
     for (Py_ssize_t i = 0; i < t->cap; i++) {
-        if (t->e[i].state != USED) continue;
-        Py_ssize_t j = (Py_ssize_t)(mix(t->e[i].key) & (uint64_t)mask);
-        while (n.e[j].state != EMPTY) j = (j + 1) & mask;
-        n.e[j] = t->e[i];
-        memcpy(&n.bits[j * words], &t->bits[i * words], words * sizeof(uint64_t));
+        Entry *old = ENTRY(t, i);
+        if (old->state != USED) continue;
+        Py_ssize_t j = home(&n, old->key);
+        while (ENTRY(&n, j)->state != EMPTY) j = (j + 1) & mask;
+        memcpy(ENTRY(&n, j), old, sizeof(Entry) + t->words * sizeof(uint64_t));
         n.used++;
     }
     table_free(t);
@@ -97,50 +104,54 @@ static int table_resize(Table *t, Py_ssize_t cap, int words) {
 }
 
 /* the entry of ``key``, added (empty bitset, no child) when absent; -1 on no memory */
-static Py_ssize_t table_add(Table *t, uint64_t key, int words) {
+static Py_ssize_t table_add(Table *t, uint64_t key) {
     Py_ssize_t found = table_find(t, key);
     if (found >= 0) return found;
-    if ((t->used + t->tombs + 1) * 4 >= t->cap * 3) {
-        Py_ssize_t cap = t->cap;
-        while ((t->used + 1) * 2 >= cap) cap *= 2;
-        if (table_resize(t, cap, words) < 0) return -1;
+    if ((t->used + 1) * 2 > t->cap) { /* at most half full: a probe for an absent key is short */
+        if (table_resize(t, t->cap * 2, t->words) < 0) return -1;
     }
-    Py_ssize_t mask = t->cap - 1, i = (Py_ssize_t)(mix(key) & (uint64_t)mask);
-    while (t->e[i].state == USED) i = (i + 1) & mask;
-    if (t->e[i].state == TOMB) t->tombs--;
-    Entry *e = &t->e[i];
+    Py_ssize_t mask = t->cap - 1, i = home(t, key);
+    while (ENTRY(t, i)->state == USED) i = (i + 1) & mask;
+    Entry *e = ENTRY(t, i);
+    memset(e, 0, t->stride);
     e->key = key;
     e->state = USED;
-    e->has_child = e->branching = 0;
-    e->first_child = 0;
-    memset(&t->bits[i * words], 0, words * sizeof(uint64_t));
     t->used++;
     return i;
 }
 
+/* in the cyclic range (from, to]: where linear probing may move an entry of home ``k`` back */
+static inline int between(Py_ssize_t from, Py_ssize_t k, Py_ssize_t to) {
+    return from <= to ? (from < k && k <= to) : (from < k || k <= to);
+}
+
+/* delete entry ``i``, moving back the entries after it that probed past it (no tombstones: a
+ * full index evicts as many digests as it takes, and tombstones would lengthen every probe) */
 static void table_del(Table *t, Py_ssize_t i) {
-    t->e[i].state = TOMB;
-    t->used--;
-    t->tombs++;
-}
-
-static void table_clear(Table *t, int words) {
-    memset(t->e, 0, t->cap * sizeof(Entry));
-    memset(t->bits, 0, t->cap * words * sizeof(uint64_t));
-    t->used = t->tombs = 0;
-}
-
-static int widen(Table *t, int words, int more) { /* the same entries, bitsets of ``more`` words */
-    uint64_t *bits = PyMem_Calloc(t->cap * more, sizeof(uint64_t));
-    if (!bits) {
-        PyErr_NoMemory();
-        return -1;
+    Py_ssize_t mask = t->cap - 1, j = i;
+    for (;;) {
+        j = (j + 1) & mask;
+        Entry *e = ENTRY(t, j);
+        if (e->state == EMPTY) break;
+        if (between(i, home(t, e->key), j)) continue;
+        memcpy(ENTRY(t, i), e, t->stride);
+        i = j;
     }
-    for (Py_ssize_t i = 0; i < t->cap; i++)
-        memcpy(&bits[i * more], &t->bits[i * words], words * sizeof(uint64_t));
-    PyMem_Free(t->bits);
-    t->bits = bits;
-    return 0;
+    ENTRY(t, i)->state = EMPTY;
+    t->used--;
+}
+
+static void table_clear(Table *t) {
+    memset(t->e, 0, t->cap * t->stride);
+    t->used = 0;
+}
+
+static int widen(Table *t, int words) { /* the same entries, bitsets of ``words`` words */
+    return table_resize(t, t->cap, words);
+}
+
+static inline void table_prefetch(const Table *t, uint64_t key) {
+    __builtin_prefetch(ENTRY(t, home(t, key)));
 }
 
 static inline int bits_empty(const uint64_t *b, int words) {
@@ -159,7 +170,7 @@ typedef struct {
 
 typedef struct {
     Node *n;
-    Py_ssize_t cap, used, tombs;
+    Py_ssize_t cap, used;
     int32_t head, tail; /* head: least recently used */
     int present;        /* the rank has an LRU (the pure index's ``key in ranks``) */
 } Rank;
@@ -171,7 +182,7 @@ static int rank_init(Rank *r, Py_ssize_t cap) {
         return -1;
     }
     r->cap = cap;
-    r->used = r->tombs = 0;
+    r->used = 0;
     r->head = r->tail = -1;
     r->present = 1;
     return 0;
@@ -180,7 +191,7 @@ static int rank_init(Rank *r, Py_ssize_t cap) {
 static void rank_free(Rank *r) {
     PyMem_Free(r->n);
     r->n = NULL;
-    r->cap = r->used = r->tombs = 0;
+    r->cap = r->used = 0;
     r->head = r->tail = -1;
     r->present = 0;
 }
@@ -235,9 +246,8 @@ static int rank_resize(Rank *r, Py_ssize_t cap) {
 /* append ``key`` (absent) as the most recent, last used at ``t``; -1 on no memory */
 static int rank_append(Rank *r, uint64_t key, double t) {
     if (!r->n && rank_init(r, 16) < 0) return -1;
-    if ((r->used + r->tombs + 1) * 4 >= r->cap * 3) {
-        Py_ssize_t cap = r->cap;
-        while ((r->used + 1) * 2 >= cap) cap *= 2;
+    if ((r->used + 1) * 2 > r->cap) {
+        Py_ssize_t cap = r->cap * 2;
         if (cap > INT32_MAX) {
             PyErr_SetString(PyExc_MemoryError, "a rank's index is full");
             return -1;
@@ -246,7 +256,6 @@ static int rank_append(Rank *r, uint64_t key, double t) {
     }
     Py_ssize_t mask = r->cap - 1, i = (Py_ssize_t)(mix(key) & (uint64_t)mask);
     while (r->n[i].state == USED) i = (i + 1) & mask;
-    if (r->n[i].state == TOMB) r->tombs--;
     r->n[i].key = key;
     r->n[i].t = t;
     r->n[i].state = USED;
@@ -255,12 +264,36 @@ static int rank_append(Rank *r, uint64_t key, double t) {
     return 0;
 }
 
+static void rank_move(Rank *r, int32_t from, int32_t to) { /* a node to another slot, relinked */
+    r->n[to] = r->n[from];
+    Node *n = &r->n[to];
+    if (n->prev >= 0) r->n[n->prev].next = to;
+    else r->head = to;
+    if (n->next >= 0) r->n[n->next].prev = to;
+    else r->tail = to;
+}
+
+/* delete node ``i`` (backward shift, as ``table_del``): other nodes may move to other slots */
 static void rank_del(Rank *r, int32_t i) {
     rank_unlink(r, i);
-    r->n[i].state = TOMB;
+    Py_ssize_t mask = r->cap - 1, j = i;
+    for (;;) {
+        j = (j + 1) & mask;
+        if (r->n[j].state == EMPTY) break;
+        if (between(i, (Py_ssize_t)(mix(r->n[j].key) & (uint64_t)mask), j)) continue;
+        rank_move(r, (int32_t)j, i);
+        i = (int32_t)j;
+    }
+    r->n[i].state = EMPTY;
+    r->n[i].prev = r->n[i].next = -1;
     r->used--;
-    r->tombs++;
 }
+
+static inline void rank_prefetch(const Rank *r, uint64_t key) {
+    if (r->n) __builtin_prefetch(&r->n[mix(key) & (uint64_t)(r->cap - 1)]);
+}
+
+#define AHEAD 16 /* digests whose table lines are asked for before they are needed */
 
 /* ----- the core -------------------------------------------------------------------------------- */
 typedef struct {
@@ -293,8 +326,8 @@ static int ensure_slot(Core *c, int slot) {
     }
     int words = slot / 64 + 1;
     if (words > c->words) {
-        if (widen(&c->digests, c->words, words) < 0 || widen(&c->lost, c->words, words) < 0 ||
-            widen(&c->lost_before, c->words, words) < 0)
+        if (widen(&c->digests, words) < 0 || widen(&c->lost, words) < 0 ||
+            widen(&c->lost_before, words) < 0)
             return -1;
         c->words = words;
     }
@@ -341,22 +374,22 @@ static uint64_t *digests_of(PyObject *list, Py_ssize_t *n) {
 static void disown(Core *c, uint64_t key, int slot) {
     Py_ssize_t i = table_find(&c->digests, key);
     if (i < 0) return;
-    uint64_t *b = &c->digests.bits[i * c->words];
+    uint64_t *b = BITS(&c->digests, i);
     bit_clear(b, slot);
     if (bits_empty(b, c->words)) table_del(&c->digests, i);
 }
 
 /* ``slot`` held ``key`` and lost it; the recent half becomes the older one when full */
 static int lose(Core *c, uint64_t key, int slot) {
-    Py_ssize_t i = table_add(&c->lost, key, c->words);
+    Py_ssize_t i = table_add(&c->lost, key);
     if (i < 0) return -1;
-    bit_set(&c->lost.bits[i * c->words], slot);
+    bit_set(BITS(&c->lost, i), slot);
     Py_ssize_t half = c->lost_cap / 2 > 1 ? c->lost_cap / 2 : 1;
     if (c->lost.used >= half) {
         Table old = c->lost_before;
         c->lost_before = c->lost;
         c->lost = old;
-        table_clear(&c->lost, c->words);
+        table_clear(&c->lost);
     }
     return 0;
 }
@@ -409,11 +442,14 @@ static PyObject *Core_insert(Core *c, PyObject *args) {
     if (!d) return NULL;
     Rank *r = rank_of(c, slot, 1);
     if (!r) goto fail;
-    int words = c->words;
+    /* each digest costs a probe of two large tables: their lines are asked for AHEAD digests
+     * early, so the misses overlap instead of coming one after the other */
+    for (Py_ssize_t i = 0; i < n && i < AHEAD; i++) table_prefetch(&c->digests, d[i]);
     for (Py_ssize_t i = 0; i + 1 < n; i++) { /* fan-out: each parent's first child */
-        Py_ssize_t e = table_add(&c->digests, d[i], words);
+        if (i + AHEAD < n) table_prefetch(&c->digests, d[i + AHEAD]);
+        Py_ssize_t e = table_add(&c->digests, d[i]);
         if (e < 0) goto fail;
-        Entry *p = &c->digests.e[e];
+        Entry *p = ENTRY(&c->digests, e);
         if (!p->has_child) {
             p->has_child = 1;
             p->first_child = d[i + 1];
@@ -421,16 +457,18 @@ static PyObject *Core_insert(Core *c, PyObject *args) {
             p->branching = 1;
         }
     }
+    for (Py_ssize_t i = n - 1; i >= n - AHEAD && i >= 0; i--) rank_prefetch(r, d[i]);
     for (Py_ssize_t i = n - 1; i >= 0; i--) { /* the head ends most recent */
+        if (i >= AHEAD) rank_prefetch(r, d[i - AHEAD]);
         Py_ssize_t at = rank_find(r, d[i]);
         if (at >= 0) {
             rank_unlink(r, (int32_t)at);
             rank_link_tail(r, (int32_t)at);
             r->n[at].t = now;
         } else {
-            Py_ssize_t e = table_add(&c->digests, d[i], words);
+            Py_ssize_t e = table_add(&c->digests, d[i]);
             if (e < 0) goto fail;
-            bit_set(&c->digests.bits[e * words], slot);
+            bit_set(BITS(&c->digests, e), slot);
             if (rank_append(r, d[i], now) < 0) goto fail;
         }
     }
@@ -451,14 +489,25 @@ static PyObject *Core_trim(Core *c, PyObject *args) {
     Rank *r = rank_of(c, slot, 0);
     if (!r || r->head < 0) return PyLong_FromLong(0);
     Py_ssize_t excess = r->used - capacity, evicted = 0;
-    while (r->head >= 0 && (excess > 0 || r->n[r->head].t < deadline)) {
-        int32_t i = r->head;
-        uint64_t key = r->n[i].key;
-        rank_del(r, i);
-        excess--;
-        evicted++;
-        disown(c, key, slot);
-        if (lose(c, key, slot) < 0) return NULL;
+    uint64_t batch[AHEAD];
+    for (;;) { /* in batches: the LRU's oldest leave, then their tables' lines are asked for
+                * together before they are disowned and remembered as lost, in order */
+        int k = 0;
+        while (k < AHEAD && r->head >= 0 && (excess > 0 || r->n[r->head].t < deadline)) {
+            int32_t i = r->head;
+            batch[k] = r->n[i].key;
+            table_prefetch(&c->digests, batch[k]);
+            table_prefetch(&c->lost, batch[k]);
+            k++;
+            rank_del(r, i);
+            excess--;
+        }
+        for (int j = 0; j < k; j++) {
+            disown(c, batch[j], slot);
+            if (lose(c, batch[j], slot) < 0) return NULL;
+        }
+        evicted += k;
+        if (k < AHEAD) break;
     }
     return PyLong_FromSsize_t(evicted);
 }
@@ -499,20 +548,24 @@ static PyObject *Core_replace(Core *c, PyObject *args) {
     if (!d) return NULL;
     Rank *r = rank_of(c, slot, 1);
     Table keep = {0};
+    uint64_t *gone = NULL;
     if (!r || table_init(&keep, 16, 1) < 0) goto fail;
     for (Py_ssize_t i = 0; i < n; i++)
-        if (table_add(&keep, d[i], 1) < 0) goto fail;
-    for (int32_t i = r->head; i >= 0;) { /* what it no longer holds: removed, oldest first */
-        int32_t next = r->n[i].next;
-        uint64_t key = r->n[i].key;
-        if (table_find(&keep, key) < 0) {
-            rank_del(r, i);
-            disown(c, key, slot);
-            if (lose(c, key, slot) < 0) goto fail;
-        }
-        i = next;
+        if (table_add(&keep, d[i]) < 0) goto fail;
+    /* what it no longer holds, oldest first: listed, then removed (a removal may move nodes) */
+    gone = PyMem_Malloc((r->used ? r->used : 1) * sizeof(uint64_t));
+    if (!gone) {
+        PyErr_NoMemory();
+        goto fail;
     }
-    int words = c->words;
+    Py_ssize_t leaving = 0;
+    for (int32_t i = r->head; i >= 0; i = r->n[i].next)
+        if (table_find(&keep, r->n[i].key) < 0) gone[leaving++] = r->n[i].key;
+    for (Py_ssize_t i = 0; i < leaving; i++) {
+        rank_del(r, (int32_t)rank_find(r, gone[i]));
+        disown(c, gone[i], slot);
+        if (lose(c, gone[i], slot) < 0) goto fail;
+    }
     for (Py_ssize_t i = 0; i < n; i++) {
         Py_ssize_t at = rank_find(r, d[i]);
         if (at >= 0) {
@@ -520,17 +573,19 @@ static PyObject *Core_replace(Core *c, PyObject *args) {
             rank_link_tail(r, (int32_t)at);
             r->n[at].t = now;
         } else {
-            Py_ssize_t e = table_add(&c->digests, d[i], words);
+            Py_ssize_t e = table_add(&c->digests, d[i]);
             if (e < 0) goto fail;
-            bit_set(&c->digests.bits[e * words], slot);
+            bit_set(BITS(&c->digests, e), slot);
             if (rank_append(r, d[i], now) < 0) goto fail;
         }
     }
     table_free(&keep);
+    PyMem_Free(gone);
     PyMem_Free(d);
     Py_RETURN_NONE;
 fail:
     table_free(&keep);
+    PyMem_Free(gone);
     PyMem_Free(d);
     return NULL;
 }
@@ -545,6 +600,12 @@ static PyObject *Core_remove_rank(Core *c, PyObject *args) {
         rank_free(r);
     }
     Py_RETURN_NONE;
+}
+
+static inline void lookup_prefetch(const Core *c, PyObject *list, Py_ssize_t i) {
+    unsigned long long v = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(list, i));
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) PyErr_Clear(); /* told when reached */
+    else table_prefetch(&c->digests, (uint64_t)v);
 }
 
 /* lookup(digests, keys, slots) -> (matched {key: leading blocks}, shared blocks); ``keys``: slot
@@ -576,12 +637,14 @@ static PyObject *Core_lookup(Core *c, PyObject *args) {
     int any = !bits_empty(alive, words);
     uint64_t d = 0, next = 0;
     if (n && to_digest(PyList_GET_ITEM(list, 0), &next) < 0) goto fail;
+    for (Py_ssize_t i = 0; i < n && i < AHEAD; i++) lookup_prefetch(c, list, i);
     for (Py_ssize_t i = 0; i < n; i++) {
+        if (i + AHEAD < n) lookup_prefetch(c, list, i + AHEAD);
         d = next;
         if (i + 1 < n && to_digest(PyList_GET_ITEM(list, i + 1), &next) < 0) goto fail;
         Py_ssize_t e = table_find(&c->digests, d);
         if (e < 0) break;
-        const uint64_t *holders = &c->digests.bits[e * words];
+        const uint64_t *holders = BITS(&c->digests, e);
         if (any) {
             int changed = 0;
             for (int w = 0; w < words; w++) {
@@ -609,7 +672,7 @@ static PyObject *Core_lookup(Core *c, PyObject *args) {
             }
             if (any) depth++;
         }
-        const Entry *entry = &c->digests.e[e];
+        const Entry *entry = ENTRY(&c->digests, e);
         if (entry->branching) shared = i + 1;
         else if (entry->has_child && i + 1 < n && entry->first_child != next) shared = i + 1;
     }
@@ -644,8 +707,8 @@ static PyObject *Core_evicted_run(Core *c, PyObject *args) {
         uint64_t d;
         if (to_digest(PyList_GET_ITEM(list, i), &d) < 0) return NULL;
         Py_ssize_t a = table_find(&c->lost, d), b = table_find(&c->lost_before, d);
-        int held = (a >= 0 && bit_get(&c->lost.bits[a * c->words], slot)) ||
-                   (b >= 0 && bit_get(&c->lost_before.bits[b * c->words], slot));
+        int held = (a >= 0 && bit_get(BITS(&c->lost, a), slot)) ||
+                   (b >= 0 && bit_get(BITS(&c->lost_before, b), slot));
         if (!held) break;
         run++;
     }
@@ -700,7 +763,7 @@ static PyObject *Core_holders(Core *c, PyObject *arg) {
     }
     Py_ssize_t e = table_find(&c->digests, d);
     if (e < 0) return PyLong_FromLong(0);
-    return mask_of(&c->digests.bits[e * c->words], c->words);
+    return mask_of(BITS(&c->digests, e), c->words);
 }
 
 /* items(slot) -> [(digest, last use)], least recent first */
@@ -729,9 +792,9 @@ static PyObject *Core_table_dict(Core *c, PyObject *args) {
     Table *t = which == 0 ? &c->digests : which == 1 ? &c->lost : &c->lost_before;
     PyObject *out = PyDict_New();
     for (Py_ssize_t i = 0; out && i < t->cap; i++) {
-        if (t->e[i].state != USED) continue;
-        PyObject *k = PyLong_FromUnsignedLongLong(t->e[i].key);
-        PyObject *v = mask_of(&t->bits[i * c->words], c->words);
+        if (ENTRY(t, i)->state != USED) continue;
+        PyObject *k = PyLong_FromUnsignedLongLong(ENTRY(t, i)->key);
+        PyObject *v = mask_of(BITS(t, i), c->words);
         if (!k || !v || PyDict_SetItem(out, k, v) < 0) Py_CLEAR(out);
         Py_XDECREF(k);
         Py_XDECREF(v);
@@ -743,7 +806,7 @@ static PyObject *Core_table_dict(Core *c, PyObject *args) {
 static PyObject *Core_fan_out(Core *c, PyObject *unused) {
     PyObject *children = PyDict_New(), *branching = PySet_New(NULL);
     for (Py_ssize_t i = 0; children && branching && i < c->digests.cap; i++) {
-        const Entry *e = &c->digests.e[i];
+        const Entry *e = ENTRY(&c->digests, i);
         if (e->state != USED) continue;
         PyObject *k = PyLong_FromUnsignedLongLong(e->key);
         if (!k) goto fail;
