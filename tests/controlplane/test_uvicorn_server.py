@@ -6,13 +6,14 @@ app that says whether the body was whole when it started."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 import pytest
 
 from serving import uvicorn_server
 from serving.asgi import direct_body, read_body, send_body
-from serving.uvicorn_server import BODY_GRACE_S, make_server
+from serving.uvicorn_server import make_server
 
 
 class App:
@@ -29,17 +30,27 @@ class App:
         await send_body(send, 200, json.dumps(self.calls[-1]).encode())
 
 
-@pytest.fixture
-async def served():
+@contextlib.asynccontextmanager
+async def serving(**kwargs):
     app = App()
-    server = make_server(app, "127.0.0.1", 0, backlog=16, graceful_s=1.0)
+    server = make_server(app, "127.0.0.1", 0, backlog=16, graceful_s=1.0, **kwargs)
     task = asyncio.create_task(server.serve())
     while not server.started:
         await asyncio.sleep(0.01)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    yield app, server, port
-    server.stop()
-    await asyncio.wait_for(task, 10)
+    try:
+        yield app, server, server.servers[0].sockets[0].getsockname()[1]
+    finally:
+        server.stop()
+        await asyncio.wait_for(task, 10)
+
+
+@pytest.fixture
+async def served(monkeypatch):
+    # the deadlines' sweep every tick (0.1 s), a body's grace within it: the tests wait less
+    monkeypatch.setattr(uvicorn_server, "SWEEP_S", 0.1)
+    monkeypatch.setattr(uvicorn_server, "BODY_GRACE_S", 0.05)
+    async with serving() as served:
+        yield served
 
 
 def head(length: int, *extra: bytes) -> bytes:
@@ -77,7 +88,7 @@ async def test_a_body_slower_than_the_grace_is_read_by_the_app_as_it_comes(serve
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     body = b'{"prompt": "late"}'
     writer.write(head(len(body)) + body[:5])
-    await asyncio.sleep(BODY_GRACE_S * 4)
+    await asyncio.sleep(0.5)  # past the grace and the sweep after it
     writer.write(body[5:])
     _, got = await answer(reader)
     assert got == {"whole": False, "size": len(body)}
@@ -104,7 +115,7 @@ async def test_a_client_that_leaves_before_its_body_starts_nothing(served):
     writer.write(head(100) + b'{"pro')
     await writer.drain()
     writer.close()
-    await asyncio.sleep(BODY_GRACE_S * 3)
+    await asyncio.sleep(0.5)
     assert app.calls == [] and not server.server_state.tasks
 
 
@@ -119,3 +130,29 @@ async def test_a_request_waiting_for_its_body_when_the_server_stops_is_answered_
     assert status.startswith(b"HTTP/1.1 503"), status
     assert app.calls == []
     writer.close()
+
+
+async def test_slow_headers_and_an_idle_kept_alive_connection_are_closed(monkeypatch):
+    """The deadlines the sweep keeps: a request's line and headers (``header_timeout_s``), and a
+    kept-alive connection's idle time (``KEEPALIVE_S``); one that keeps within them stays."""
+    monkeypatch.setattr(uvicorn_server, "SWEEP_S", 0.1)
+    monkeypatch.setattr(uvicorn_server, "KEEPALIVE_S", 0.6)
+    async with serving(header_timeout_s=0.6) as (app, _, port):
+        slow_reader, slow = await asyncio.open_connection("127.0.0.1", port)
+        slow.write(b"POST /x HTTP/1.1\r\nHost: x\r\n")  # and never the rest
+        idle_reader, idle = await asyncio.open_connection("127.0.0.1", port)
+        body = b'{"prompt": "kept"}'
+        idle.write(head(len(body)) + body)
+        await answer(idle_reader)
+        busy_reader, busy = await asyncio.open_connection("127.0.0.1", port)
+        for _ in range(4):  # a request every 0.3 s: never idle for 0.6 s
+            busy.write(head(len(body)) + body)
+            await answer(busy_reader)
+            await asyncio.sleep(0.3)
+        assert await asyncio.wait_for(slow_reader.read(), 5) == b""  # closed
+        assert await asyncio.wait_for(idle_reader.read(), 5) == b""
+        busy.write(head(len(body)) + body)
+        status, _ = await answer(busy_reader)
+        assert status.startswith(b"HTTP/1.1 200")
+        for writer in (slow, idle, busy):
+            writer.close()
