@@ -158,23 +158,31 @@ class MissReasons:
                 claimed.append((max(start, cached), end))
 
         if cached < hittable:
-            claim("mispredicted", 0, plan.predicted)
+            # (a span that ends where the engine's cached tokens do, or before, names nothing)
+            if plan.predicted > cached:
+                claim("mispredicted", 0, plan.predicted)
             if plan.unplaced:
                 claim("pin_not_honoured", 0, hittable)
-            elif plan.text:
+                return self._tail(out, prompt_tokens, hittable, cached), None
+            if plan.best > max(plan.predicted, cached):
                 claim("placed_elsewhere", plan.predicted, plan.best)
+            if plan.text:
                 claim("no_tokenizer", 0, hittable)
             else:
-                claim("placed_elsewhere", plan.predicted, plan.best)
                 diverged_at = self._claim_lost(plan, claim)
-            missed = hittable - max(cached, 0)
-            rest = missed - sum(out.values())
-            if rest > 0:
-                out["never_seen"] = out.get("never_seen", 0) + rest
+        return self._tail(out, prompt_tokens, hittable, cached), diverged_at
+
+    @staticmethod
+    def _tail(out: dict[str, int], prompt_tokens: int, hittable: int, cached: int) -> dict:
+        """``out`` with what no reason claimed of the hittable part (never seen) and the tail."""
+        missed = hittable - max(cached, 0)
+        rest = missed - sum(out.values())
+        if rest > 0:
+            out["never_seen"] = out.get("never_seen", 0) + rest
         tail = prompt_tokens - max(hittable, cached)
         if tail > 0:
             out["tail"] = tail
-        return out, diverged_at
+        return out
 
     def _claim_lost(self, plan: MissPlan, claim) -> int | None:
         """The spans only a look at the index and the session can name: evicted from the target,

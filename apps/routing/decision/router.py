@@ -122,7 +122,9 @@ class Router:
         def allowed(t: Target) -> bool:
             return t.key not in exclude and (rank is None or t.rank == rank)
 
-        candidates = [t for t in self.fleet.candidates(model, role) if allowed(t)]
+        candidates = self.fleet.candidates(model, role)
+        if exclude or rank is not None:
+            candidates = [t for t in candidates if allowed(t)]
         if not candidates and model and len(self.fleet.models()) == 1:
             candidates = [t for t in self.fleet.candidates(None, role) if allowed(t)]
         if not candidates:
