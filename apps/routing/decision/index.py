@@ -456,9 +456,10 @@ class NativePrefixIndex:
         slot = self._ranks.get(key)
         if slot is None:
             slot = self._ranks[key] = self._bit(key)
-        self._core.insert(slot, digests, now)
         self._latest[key] = (list(digests), now)
-        self._trim(key)
+        capacity = self.capacity.get(key, self.default_capacity)
+        if self._core.insert(slot, digests, now, capacity, self.clock() - self.ttl_s):
+            self._latest.pop(key, None)  # blocks left: the latest chain may be one of them
 
     def remove(self, key: str, digests: list[int]) -> int:
         slot = self._ranks.get(key)

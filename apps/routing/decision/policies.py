@@ -156,16 +156,20 @@ class CacheAware(Policy):
         hits = [min(matched.get(t.key, 0), hittable) * block_tokens for t in targets]
         best_match, shared = max(hits), shared_blocks * block_tokens
         count = len(targets)
-        total_inflight = sum(n for n, _, _ in loads)
+        total_inflight = total_sessions = total_queued = 0
+        for n, live, queue in loads:  # (one pass, not a generator for each)
+            total_inflight += n
+            total_sessions += live
+            total_queued += queue
         mean_inflight = total_inflight / count
-        mean_sessions = sum(live for _, live, _ in loads) / count
+        mean_sessions = total_sessions / count
         # Balance only matters under contention: with the fleet idle, affinity alone decides. And it
         # decides where sessions start; a session with private history moves only for a real queue.
         busy = min(1.0, total_inflight / count)
         pressure = busy if best_match <= shared else 0.0
         hot = self.hot(shape, hits, shared)
         prompt = shape.prompt_tokens
-        queued = sum(q for _, _, q in loads) / count
+        queued = total_queued / count
         depth = queued / prompt if prompt else 0.0
         rework = busy * max(self.rework_floor, min(self.rework_cap, depth))
         if not (pressure and hot):

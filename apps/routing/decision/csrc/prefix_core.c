@@ -431,12 +431,17 @@ static Rank *rank_of(Core *c, int slot, int create) {
     return r;
 }
 
-/* insert(slot, digests, now): rank ``slot`` holds ``digests`` (the head the most recent) */
+static Py_ssize_t trim_rank(Core *c, int slot, Py_ssize_t capacity, double deadline);
+
+/* insert(slot, digests, now, capacity, deadline) -> evicted: rank ``slot`` holds ``digests``
+ * (the head the most recent), then is trimmed as ``trim`` does (one call, not two) */
 static PyObject *Core_insert(Core *c, PyObject *args) {
     int slot;
     PyObject *list;
-    double now;
-    if (!PyArg_ParseTuple(args, "iO!d", &slot, &PyList_Type, &list, &now)) return NULL;
+    double now, deadline;
+    Py_ssize_t capacity;
+    if (!PyArg_ParseTuple(args, "iO!dnd", &slot, &PyList_Type, &list, &now, &capacity, &deadline))
+        return NULL;
     Py_ssize_t n;
     uint64_t *d = digests_of(list, &n);
     if (!d) return NULL;
@@ -473,21 +478,18 @@ static PyObject *Core_insert(Core *c, PyObject *args) {
         }
     }
     PyMem_Free(d);
-    Py_RETURN_NONE;
+    Py_ssize_t evicted = trim_rank(c, slot, capacity, deadline);
+    return evicted < 0 ? NULL : PyLong_FromSsize_t(evicted);
 fail:
     PyMem_Free(d);
     return NULL;
 }
 
-/* trim(slot, capacity, deadline) -> evicted: the least recently used past ``capacity`` and
- * those last used before ``deadline`` leave (disowned, remembered as lost) */
-static PyObject *Core_trim(Core *c, PyObject *args) {
-    int slot;
-    Py_ssize_t capacity;
-    double deadline;
-    if (!PyArg_ParseTuple(args, "ind", &slot, &capacity, &deadline)) return NULL;
+/* the least recently used of rank ``slot`` past ``capacity`` and those last used before
+ * ``deadline`` leave (disowned, remembered as lost): how many, or -1 with an exception set */
+static Py_ssize_t trim_rank(Core *c, int slot, Py_ssize_t capacity, double deadline) {
     Rank *r = rank_of(c, slot, 0);
-    if (!r || r->head < 0) return PyLong_FromLong(0);
+    if (!r || r->head < 0) return 0;
     Py_ssize_t excess = r->used - capacity, evicted = 0;
     uint64_t batch[AHEAD];
     for (;;) { /* in batches: the LRU's oldest leave, then their tables' lines are asked for
@@ -504,12 +506,22 @@ static PyObject *Core_trim(Core *c, PyObject *args) {
         }
         for (int j = 0; j < k; j++) {
             disown(c, batch[j], slot);
-            if (lose(c, batch[j], slot) < 0) return NULL;
+            if (lose(c, batch[j], slot) < 0) return -1;
         }
         evicted += k;
         if (k < AHEAD) break;
     }
-    return PyLong_FromSsize_t(evicted);
+    return evicted;
+}
+
+/* trim(slot, capacity, deadline) -> evicted (``trim_rank``) */
+static PyObject *Core_trim(Core *c, PyObject *args) {
+    int slot;
+    Py_ssize_t capacity;
+    double deadline;
+    if (!PyArg_ParseTuple(args, "ind", &slot, &capacity, &deadline)) return NULL;
+    Py_ssize_t evicted = trim_rank(c, slot, capacity, deadline);
+    return evicted < 0 ? NULL : PyLong_FromSsize_t(evicted);
 }
 
 /* remove(slot, digests) -> how many the rank had (its engine evicted them) */
