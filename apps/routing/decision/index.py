@@ -42,6 +42,17 @@ LOST_KEPT = 200_000  # evicted digests remembered (~20 MB at most)
 RENEW_AFTER_S = 1.0
 
 
+def named(keys: list[str], mask: int) -> list[str]:
+    """The rank keys of a holders' bitset (bit i: ``keys[i]``)."""
+    out, index = [], 0
+    while mask:
+        if mask & 1:
+            out.append(keys[index])
+        mask >>= 1
+        index += 1
+    return out
+
+
 class PurePrefixIndex:
     """The index in Python dicts (the reference; where the native core does not build)."""
 
@@ -87,13 +98,7 @@ class PurePrefixIndex:
         return bit
 
     def _named(self, mask: int) -> list[str]:
-        keys, index = [], 0
-        while mask:
-            if mask & 1:
-                keys.append(self._keys[index])
-            mask >>= 1
-            index += 1
-        return keys
+        return named(self._keys, mask)
 
     def holders(self, digest: int) -> set[str]:
         """The rank keys holding ``digest``."""
@@ -378,13 +383,7 @@ class NativePrefixIndex:
         return slot
 
     def _named(self, mask: int) -> list[str]:
-        keys, index = [], 0
-        while mask:
-            if mask & 1:
-                keys.append(self._keys[index])
-            mask >>= 1
-            index += 1
-        return keys
+        return named(self._keys, mask)
 
     # ----- the pure index's state, as snapshots ----------------------------------------------
     @property

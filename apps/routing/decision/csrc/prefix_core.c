@@ -433,6 +433,22 @@ static Rank *rank_of(Core *c, int slot, int create) {
 
 static Py_ssize_t trim_rank(Core *c, int slot, Py_ssize_t capacity, double deadline);
 
+/* rank ``slot`` (its LRU ``r``) holds ``key``, used at ``now``: the most recent of its LRU, and
+ * one of the digest's holders; -1 on no memory */
+static int hold(Core *c, Rank *r, int slot, uint64_t key, double now) {
+    Py_ssize_t at = rank_find(r, key);
+    if (at >= 0) {
+        rank_unlink(r, (int32_t)at);
+        rank_link_tail(r, (int32_t)at);
+        r->n[at].t = now;
+        return 0;
+    }
+    Py_ssize_t e = table_add(&c->digests, key);
+    if (e < 0) return -1;
+    bit_set(BITS(&c->digests, e), slot);
+    return rank_append(r, key, now);
+}
+
 /* insert(slot, digests, now, capacity, deadline) -> evicted: rank ``slot`` holds ``digests``
  * (the head the most recent), then is trimmed as ``trim`` does (one call, not two) */
 static PyObject *Core_insert(Core *c, PyObject *args) {
@@ -465,17 +481,7 @@ static PyObject *Core_insert(Core *c, PyObject *args) {
     for (Py_ssize_t i = n - 1; i >= n - AHEAD && i >= 0; i--) rank_prefetch(r, d[i]);
     for (Py_ssize_t i = n - 1; i >= 0; i--) { /* the head ends most recent */
         if (i >= AHEAD) rank_prefetch(r, d[i - AHEAD]);
-        Py_ssize_t at = rank_find(r, d[i]);
-        if (at >= 0) {
-            rank_unlink(r, (int32_t)at);
-            rank_link_tail(r, (int32_t)at);
-            r->n[at].t = now;
-        } else {
-            Py_ssize_t e = table_add(&c->digests, d[i]);
-            if (e < 0) goto fail;
-            bit_set(BITS(&c->digests, e), slot);
-            if (rank_append(r, d[i], now) < 0) goto fail;
-        }
+        if (hold(c, r, slot, d[i], now) < 0) goto fail;
     }
     PyMem_Free(d);
     Py_ssize_t evicted = trim_rank(c, slot, capacity, deadline);
@@ -579,17 +585,7 @@ static PyObject *Core_replace(Core *c, PyObject *args) {
         if (lose(c, gone[i], slot) < 0) goto fail;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        Py_ssize_t at = rank_find(r, d[i]);
-        if (at >= 0) {
-            rank_unlink(r, (int32_t)at);
-            rank_link_tail(r, (int32_t)at);
-            r->n[at].t = now;
-        } else {
-            Py_ssize_t e = table_add(&c->digests, d[i]);
-            if (e < 0) goto fail;
-            bit_set(BITS(&c->digests, e), slot);
-            if (rank_append(r, d[i], now) < 0) goto fail;
-        }
+        if (hold(c, r, slot, d[i], now) < 0) goto fail;
     }
     table_free(&keep);
     PyMem_Free(gone);
