@@ -12,8 +12,8 @@ blocks the engine has not stored yet (a burst of siblings).
 
 Two implementations, one behaviour: ``NativePrefixIndex`` keeps the per-digest state in flat C
 tables (csrc/prefix_core.c, built at first use like the engine's kernel: serving/native.py), where
-``PurePrefixIndex`` keeps it in dicts; every digest of a request costs the pure one ~10 probes of
-large dicts of boxed ints, cache misses the flat tables mostly avoid. ``PrefixIndex`` is the
+``PurePrefixIndex`` keeps it in dicts, where every digest of a request costs ~10 probes of large
+dicts of boxed ints; the flat tables do the same 2-4x cheaper. ``PrefixIndex`` is the
 native one where it builds (``DPMESH_PURE_INDEX=1``: the pure one); tests/routing/test_index.py
 runs both and compares them on random operation sequences.
 """

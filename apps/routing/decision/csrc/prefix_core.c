@@ -1,7 +1,7 @@
 /* The prefix index's per-digest state in flat tables (apps/routing/decision/index.py,
  * ``NativePrefixIndex``): what the pure-Python index keeps in five dicts and one OrderedDict per
  * rank, where every digest of every request costs ~10 probes of large dicts whose keys are
- * boxed ints (cache misses, not bytecode, are its cost).
+ * boxed ints.
  *
  * - the digest table: digest -> its holders (a bitset of rank slots), its first child and
  *   whether it branches (a digest is in it exactly while some rank holds it);
