@@ -2,6 +2,7 @@
 expiry, and removal; every number exact, on a fake clock. Each test runs on both implementations
 (the native core and the pure one), and the two are compared on random operation sequences."""
 
+import os
 import random
 import shutil
 import sysconfig
@@ -15,10 +16,12 @@ from tests.routing.helpers import Clock
 
 
 def native_or_fail():
-    """The native core must build wherever a C compiler is (a missing one is a skip)."""
+    """The native core must build wherever a C compiler is; a laptop without one skips its
+    tests (the pure index, which it then routes with, is tested all the same); CI fails."""
     if index_module.core_module() is None:
         compiler = (sysconfig.get_config_var("CC") or "cc").split()[0]
-        if shutil.which(compiler) is None and shutil.which("cc") is None:
+        no_compiler = shutil.which(compiler) is None and shutil.which("cc") is None
+        if no_compiler and not os.environ.get("CI"):
             pytest.skip(f"no C compiler: {index_module._core.get('error')}")
         pytest.fail(f"the native prefix index did not build: {index_module._core.get('error')}")
     return NativePrefixIndex

@@ -358,6 +358,11 @@ def core_module():
     return module
 
 
+def _listed(digests) -> list[int]:
+    """The digests as the core takes them: a list (the caller's own, not a copy, when it is one)."""
+    return digests if type(digests) is list else list(digests)
+
+
 class NativePrefixIndex:
     """The index over the C core: the same methods and results as ``PurePrefixIndex``. The
     pure index's dicts (``ranks``, ``owners``, ``first_child``, ``branching``, ``lost``,
@@ -440,17 +445,14 @@ class NativePrefixIndex:
         else:
             bits = self._bits
             slots = [bits[key] for key in keys if key in bits]
-        if type(digests) is not list:
-            digests = list(digests)
-        return self._core.lookup(digests, self._keys, slots)
+        return self._core.lookup(_listed(digests), self._keys, slots)
 
     def insert(self, key: str, digests: list[int]) -> None:
         now = self.clock()
         latest = self._latest.get(key)
         if latest is not None and now - latest[1] < RENEW_AFTER_S and latest[0] == digests:
             return
-        if type(digests) is not list:
-            digests = list(digests)
+        digests = _listed(digests)
         self._expires_at = min(self._expires_at, now + self.ttl_s)
         slot = self._ranks.get(key)
         if slot is None:
@@ -465,7 +467,7 @@ class NativePrefixIndex:
         if slot is None:
             return 0
         self._latest.pop(key, None)
-        return self._core.remove(slot, list(digests))
+        return self._core.remove(slot, _listed(digests))
 
     def replace(self, key: str, digests: list[int]) -> None:
         self._latest.pop(key, None)
@@ -474,7 +476,7 @@ class NativePrefixIndex:
             slot = self._ranks[key] = self._bit(key)
         now = self.clock()
         self._expires_at = min(self._expires_at, now + self.ttl_s)
-        self._core.replace(slot, list(digests), now)
+        self._core.replace(slot, _listed(digests), now)
         self._trim(key)
 
     def remove_rank(self, key: str) -> None:
@@ -505,7 +507,7 @@ class NativePrefixIndex:
         slot = self._bits.get(key)
         if slot is None:
             return 0
-        return self._core.evicted_run(slot, list(digests), start)
+        return self._core.evicted_run(slot, _listed(digests), start)
 
     def size(self, key: str) -> int:
         slot = self._bits.get(key)

@@ -616,6 +616,25 @@ static inline void lookup_prefetch(const Core *c, PyObject *list, Py_ssize_t i) 
     else table_prefetch(&c->digests, (uint64_t)v);
 }
 
+/* ``matched[keys[s]] = depth`` for every slot ``s`` of ``slots``; -1 with an exception set */
+static int name_depth(PyObject *matched, PyObject *keys, const uint64_t *slots, int words,
+                      Py_ssize_t depth) {
+    for (int s = 0; s < 64 * words; s++) {
+        if (!bit_get(slots, s)) continue;
+        if (s >= PyList_GET_SIZE(keys)) {
+            PyErr_SetString(PyExc_IndexError, "a slot without a key");
+            return -1;
+        }
+        PyObject *v = PyLong_FromSsize_t(depth);
+        if (!v || PyDict_SetItem(matched, PyList_GET_ITEM(keys, s), v) < 0) {
+            Py_XDECREF(v);
+            return -1;
+        }
+        Py_DECREF(v);
+    }
+    return 0;
+}
+
 /* lookup(digests, keys, slots) -> (matched {key: leading blocks}, shared blocks); ``keys``: slot
  * -> rank key; ``slots``: the ranks to match (None: every rank with an LRU) */
 static PyObject *Core_lookup(Core *c, PyObject *args) {
@@ -661,20 +680,7 @@ static PyObject *Core_lookup(Core *c, PyObject *args) {
                 changed |= gone[w] != 0;
             }
             if (changed) { /* the ones that dropped out matched ``depth`` */
-                if (depth) {
-                    for (int s = 0; s < 64 * words; s++) {
-                        if (!bit_get(gone, s)) continue;
-                        PyObject *v = PyLong_FromSsize_t(depth);
-                        if (!v || s >= PyList_GET_SIZE(keys) ||
-                            PyDict_SetItem(matched, PyList_GET_ITEM(keys, s), v) < 0) {
-                            Py_XDECREF(v);
-                            if (!PyErr_Occurred())
-                                PyErr_SetString(PyExc_IndexError, "a slot without a key");
-                            goto fail;
-                        }
-                        Py_DECREF(v);
-                    }
-                }
+                if (depth && name_depth(matched, keys, gone, words, depth) < 0) goto fail;
                 memcpy(alive, still, sizeof(alive));
                 any = !bits_empty(alive, words);
             }
@@ -684,19 +690,7 @@ static PyObject *Core_lookup(Core *c, PyObject *args) {
         if (entry->branching) shared = i + 1;
         else if (entry->has_child && i + 1 < n && entry->first_child != next) shared = i + 1;
     }
-    if (any && depth) {
-        for (int s = 0; s < 64 * words; s++) {
-            if (!bit_get(alive, s)) continue;
-            PyObject *v = PyLong_FromSsize_t(depth);
-            if (!v || s >= PyList_GET_SIZE(keys) ||
-                PyDict_SetItem(matched, PyList_GET_ITEM(keys, s), v) < 0) {
-                Py_XDECREF(v);
-                if (!PyErr_Occurred()) PyErr_SetString(PyExc_IndexError, "a slot without a key");
-                goto fail;
-            }
-            Py_DECREF(v);
-        }
-    }
+    if (any && depth && name_depth(matched, keys, alive, words, depth) < 0) goto fail;
     return Py_BuildValue("(Nn)", matched, shared);
 fail:
     Py_DECREF(matched);
