@@ -282,6 +282,15 @@ def test_the_native_cores_digests_are_the_pure_ones(seed):
         block, parent = rng.choice((1, 3, 16)), rng.choice((None, rng.getrandbits(64)))
         assert request_shape.chain_digests(ids, block, parent) == chain_digests(ids, block, parent)
     text = "na\u00efve " * 50
-    assert request_shape.text_digests(text, 5) == core.text_digests(text.encode(), 5, CHUNK_CHARS)
+    native = request_shape.text_digests(text, 5)
+    assert native == core.text_digests(text.encode(), 5, CHUNK_CHARS)
+    ids = list(range(100))
+    native_ids = request_shape.chain_digests(ids, 16, 7)
+    request_shape._CORE = None  # the pure fallback, where the core does not build: the same
+    try:
+        assert request_shape.text_digests(text, 5) == native
+        assert request_shape.chain_digests(ids, 16, 7) == native_ids
+    finally:
+        request_shape._CORE = core
     with pytest.raises(OverflowError):
         core.chain_digests([2**31], 1, None)
