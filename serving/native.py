@@ -1,6 +1,6 @@
 """Native extensions built at first use into a cache of our own, shared by the engine's paged
 decode kernel (engine/paged_kernel.py) and the router's prefix index core
-(apps/routing/decision/native_index.py).
+(apps/routing/decision/index.py, with the digests and cache_aware's costs).
 
 Built modules live under ``DPMESH_KERNEL_CACHE`` (default ``~/.cache/dpmesh/kernels``), one
 directory per key (a digest of what the build depends on), so an edit or an upgrade builds a new

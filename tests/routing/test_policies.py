@@ -19,6 +19,7 @@ from apps.routing.decision.policies import (
 )
 from apps.routing.decision.request_shape import RequestShape
 from tests.routing.helpers import Clock, targets, worker_view
+from tests.routing.test_index import native_or_fail
 
 B = 16
 
@@ -26,6 +27,19 @@ B = 16
 def shape(prompt_tokens: int, blocks: int | None = None) -> RequestShape:
     blocks = prompt_tokens // B if blocks is None else blocks
     return RequestShape(list(range(100, 100 + blocks)), prompt_tokens, B)
+
+
+# every CacheAware test runs on the compiled costs (csrc/cache_aware.c) and on the pure ones
+NATIVE = {"on": True}
+
+
+@pytest.fixture(autouse=True, params=["native", "pure"])
+def costs_in(request):
+    if request.param == "native":
+        native_or_fail()
+    NATIVE["on"] = request.param == "native"
+    yield request.param
+    NATIVE["on"] = True
 
 
 def cache_aware(seed=0, **params) -> CacheAware:
@@ -39,7 +53,7 @@ def cache_aware(seed=0, **params) -> CacheAware:
         "rework_cap": 0.0,
         **params,
     }
-    return CacheAware(rng=random.Random(seed), **values)
+    return CacheAware(rng=random.Random(seed), native=NATIVE["on"], **values)
 
 
 def same_recent_volume(ts, tokens=200):

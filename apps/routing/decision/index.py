@@ -303,14 +303,20 @@ class PurePrefixIndex:
 
 
 # ----- the native core (csrc/prefix_core.c) ---------------------------------------------------
-CORE_SOURCE = Path(__file__).parent / "csrc" / "prefix_core.c"
+# the index's tables and the digests (prefix_core.c, which holds the module), the cache_aware
+# policy's costs (cache_aware.c: apps/routing/decision/policies.py)
+CORE_SOURCES = tuple(Path(__file__).parent / "csrc" / name
+                     for name in ("prefix_core.c", "cache_aware.c"))  # fmt: skip
 CORE_NAME = "dpmesh_prefix_core"
-CORE_CFLAGS = ("-O2", "-fPIC", "-shared")
+# no contraction of a * b + c into one fused step: the policy's costs must round as Python's do
+CORE_CFLAGS = ("-O2", "-fPIC", "-shared", "-ffp-contract=off")
 CORE_BUILD_WAIT_S = 120.0
 
 
 def _core_key() -> str:
-    digest = hashlib.sha256(CORE_SOURCE.read_bytes())
+    digest = hashlib.sha256()
+    for source in CORE_SOURCES:
+        digest.update(source.read_bytes() + b"\0")
     for part in (
         *CORE_CFLAGS,
         sys.version,
@@ -326,8 +332,8 @@ def _build_core(scratch: Path) -> Path:
     if shutil.which(compiler) is None:
         compiler = "cc"
     out = scratch / f"{CORE_NAME}.so"
-    command = [compiler, *CORE_CFLAGS, "-I", sysconfig.get_paths()["include"], str(CORE_SOURCE),
-               "-o", str(out)]  # fmt: skip
+    command = [compiler, *CORE_CFLAGS, "-I", sysconfig.get_paths()["include"],
+               *map(str, CORE_SOURCES), "-o", str(out)]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command)}: {done.stderr.strip()[-2000:]}")

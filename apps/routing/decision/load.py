@@ -139,6 +139,15 @@ class RankLoad:
         now = self.clock() if now is None else now
         return self._sessions * math.exp2(-(now - self._sessions_at) / SESSION_HALF_LIFE_S)
 
+    def totals(self, now: float) -> tuple[int, float, int]:
+        """``inflight``, ``active_sessions(now)`` and ``queued_prefill_tokens`` in one call (a
+        policy reads them for every candidate of every request)."""
+        live = self.own_active_sessions(now) if self._sessions else 0.0
+        if self.peers:
+            live += self._peers_decayed("sessions", SESSION_HALF_LIFE_S, now)
+        return (self.requests + self.peer_requests, live,
+                self.pending_prefill_tokens + self.peer_prefill_tokens)  # fmt: skip
+
     def begin(
         self, prompt_tokens: int, prefill_tokens: int, continues_session: bool = False
     ) -> LoadTicket:

@@ -1048,9 +1048,12 @@ static PyObject *chain_digests(PyObject *module, PyObject *args) {
     return out;
 }
 
+PyObject *cache_aware(PyObject *module, PyObject *args); /* cache_aware.c */
+
 static PyMethodDef module_methods[] = {
     {"text_digests", text_digests, METH_VARARGS, NULL},
     {"chain_digests", chain_digests, METH_VARARGS, NULL},
+    {"cache_aware", cache_aware, METH_VARARGS, NULL},
     {NULL, NULL, 0, NULL},
 };
 
