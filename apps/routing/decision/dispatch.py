@@ -57,7 +57,7 @@ class Dispatch:
 
     __slots__ = ("target", "shape", "predicted_tokens", "ticket", "trial", "started", "_stats",
                  "_observers", "_timing", "_clock", "plan", "_misses", "_explained",
-                 "pending")  # fmt: skip
+                 "pending", "_reported")  # fmt: skip
 
     def __init__(
         self,
@@ -86,6 +86,7 @@ class Dispatch:
         self.plan: MissPlan | None = None
         self._misses = misses
         self._explained: tuple | None = None
+        self._reported: tuple | None = None  # (a usage, its cached tokens): ``cached_tokens``
         # the rest of the router's commit, where it was left for after the send
         # (``Router.route(settle_later=True)``); ``settle`` runs it, once
         self.pending = None
@@ -127,6 +128,16 @@ class Dispatch:
         for observer in self._observers:
             observer.first_token(self.target.key, seconds)
 
+    def cached_tokens(self, usage: dict | None) -> int | None:
+        """``cached_of(usage)``, read once per usage (the answer's header, the end and the miss
+        reasons all ask)."""
+        reported = self._reported
+        if reported is not None and reported[0] is usage:
+            return reported[1]
+        cached = cached_of(usage)
+        self._reported = (usage, cached)
+        return cached
+
     def miss_reasons(self, usage: dict | None) -> dict[str, int] | None:
         """Tokens per reason for the prompt tokens the engine computed (its ``usage`` says how
         many it had cached; without them: the reasons expected if it had what the router
@@ -134,7 +145,7 @@ class Dispatch:
         self.settle()
         if self.plan is None or self._misses is None:
             return None
-        cached = cached_of(usage)
+        cached = self.cached_tokens(usage)
         prompt = (usage or {}).get("prompt_tokens") if cached is not None else None
         if not isinstance(prompt, int):
             prompt = self.plan.shape.prompt_tokens
@@ -158,7 +169,7 @@ class Dispatch:
             breaker.record_success()
         if self.trial:
             breaker.trial_done()
-        cached = cached_of(usage)
+        cached = self.cached_tokens(usage)
         self._stats.finished(
             self.target.key, ok=ok, cached_tokens=cached, aborted=aborted and not ok
         )

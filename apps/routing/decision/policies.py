@@ -353,19 +353,12 @@ class CacheAware(Policy):
             near = self._near(targets, shape, matched, shared_blocks, loads)
         if len(near) == 1:
             return targets[near[0]]
-        warm = shape.warm  # set by the router on an idle fleet only
-        rng = self.rng
-        return targets[
-            min(
-                near,
-                key=lambda i: (
-                    loads[i][1] + loads[i][0],
-                    targets[i].key not in warm,
-                    targets[i].load.recent_requests(),
-                    rng.random(),
-                ),
-            )
-        ]
+        # the least loaded (sessions and requests); on an idle fleet the rank used last; fewer
+        # requests lately; chance (the index last: min's first of equals, as with a key)
+        warm, rng = shape.warm, self.rng  # warm: set by the router on an idle fleet only
+        ranked = [(loads[i][1] + loads[i][0], targets[i].key not in warm,
+                   targets[i].load.recent_requests(), rng.random(), i) for i in near]  # fmt: skip
+        return targets[min(ranked)[4]]
 
     def _near(self, targets, shape, matched, shared_blocks, loads) -> list[int]:
         """The targets (their indices) whose costs tie with the cheapest's, within the slack."""

@@ -201,6 +201,14 @@ class RequestShape:
         self.warm: frozenset[str] = frozenset()
 
 
+def tokenizes_off_loop(body: dict, chat: bool) -> bool:
+    """Whether ``tokenize_off_loop`` has anything to do for ``body`` (a prompt of token ids to
+    bound, or long text): a short text prompt skips it, and the await it would cost."""
+    if not chat and isinstance(body.get("prompt"), list):
+        return True
+    return prompt_text_chars(body, chat) >= OFF_LOOP_CHARS
+
+
 async def tokenize_off_loop(
     body: dict, chat: bool, tokenizer_paths, limit=None
 ) -> dict[str, list[int] | None]:

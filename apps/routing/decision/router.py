@@ -222,8 +222,9 @@ class Router:
         shape = shapes[target.key]
         best = predicted
         if placed:
-            for t in candidates:
-                if matched.get(t.key, 0) > matched.get(target.key, 0):
+            mine = matched.get(target.key, 0)
+            for t in candidates if matched else ():  # (nothing held anywhere: none held more)
+                if matched.get(t.key, 0) > mine:
                     best = max(best, self._cached_tokens(t, shapes[t.key], matched, primary))
             if pinned_model is not None:
                 alike = (target.worker.tokenizer_path, target.worker.block_size)

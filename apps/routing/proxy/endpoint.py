@@ -137,9 +137,13 @@ class OpenAIEndpoint:
         arrived = time.perf_counter()
         path, stats = scope["path"], self.router.stats
 
-        send = Answer(send, path, stats, span, direct_body(scope))
-        read = {"headers": [(name, value) for name, value in scope.get("headers") or ()
-                            if name.lower() in READ_HEADERS]}  # fmt: skip
+        direct = direct_body(scope)
+        send = Answer(send, path, stats, span, direct)
+        headers = scope.get("headers") or ()
+        if direct is not None:  # our uvicorn, which lowercases every name (as ASGI advises)
+            read = {"headers": [(n, v) for n, v in headers if n in READ_HEADERS]}
+        else:  # a server that may not
+            read = {"headers": [(n, v) for n, v in headers if n.lower() in READ_HEADERS]}
 
         if not api_key_allowed(scope_authorization(read)):
             auth = [(b"www-authenticate", b"Bearer")]
@@ -175,7 +179,13 @@ class OpenAIEndpoint:
         size, (limit, dp_size) = 0, facts
         try:
             waiting = time.perf_counter()
-            raw = await read_body(receive, limit, scope, self.body_timeout_s)
+            # all of it here (the usual case: the server held the app for a small body), read
+            # as it is; else read as it comes, under its deadline
+            raw = send.direct.whole_body() if send.direct is not None else None
+            if raw is None:
+                raw = await read_body(receive, limit, scope, self.body_timeout_s)
+            elif len(raw) > limit:
+                raise BodyTooLarge(f"the request body is larger than {limit} bytes")
             size = len(raw)
             body = parse(raw)
         except ClientGone:

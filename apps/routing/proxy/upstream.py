@@ -28,7 +28,7 @@ import random
 import time
 
 from apps.routing.decision.dispatch import Dispatch
-from apps.routing.decision.request_shape import tokenize_off_loop
+from apps.routing.decision.request_shape import tokenize_off_loop, tokenizes_off_loop
 from apps.routing.decision.router import CACHED_PATHS, NoTarget, Router
 from apps.routing.feeds import health
 from apps.routing.proxy import limits, tenants, wire
@@ -129,9 +129,11 @@ async def proxy_request(
         return limits.prompt_limit(fleet.candidates(model) or fleet.candidates(None))
 
     try:
-        ids_by_path = await tokenize_off_loop(
-            body, chat, lambda: router.tokenizer_paths(model), limit
-        )
+        ids_by_path = {}  # a short text prompt: tokenized inline, when at all (shape_request)
+        if tokenizes_off_loop(body, chat):
+            ids_by_path = await tokenize_off_loop(
+                body, chat, lambda: router.tokenizer_paths(model), limit
+            )
     except TooManyTokens as exc:  # no worker could take it: the engine's own answer, here
         message = too_long_message(exc.limit, exc.at_least, exact=False)
         error = APIError(400, message, param="messages" if chat else "prompt")

@@ -17,7 +17,7 @@ import json
 
 import msgspec
 
-from apps.routing.decision.dispatch import Dispatch, cached_of
+from apps.routing.decision.dispatch import Dispatch
 from apps.routing.decision.router import Router
 from controlplane import http
 from serving import tracing
@@ -115,7 +115,7 @@ def misses_header(dispatch: Dispatch, usage: dict | None) -> list:
     reasons = dispatch.miss_reasons(usage)
     if reasons is None:
         return []
-    basis = "predicted" if cached_of(usage) is None else "engine"
+    basis = "predicted" if dispatch.cached_tokens(usage) is None else "engine"
     parts = [f"basis={basis}"] + [f"{r}={n}" for r, n in reasons.items()]
     return [(MISSES_HEADER, "; ".join(parts).encode())]
 
