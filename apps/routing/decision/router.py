@@ -308,10 +308,15 @@ class Router:
         the matches in units of the first candidate's blocks, and the shared-prefix depth in those
         units."""
         groups: dict[tuple, list[Target]] = {}
-        for t in candidates:
-            adapter = model if model in t.worker.adapters else None
-            key = (t.worker.tokenizer_path, t.worker.block_size, adapter)
-            groups.setdefault(key, []).append(t)
+        first = candidates[0].worker
+        if all(t.worker is first for t in candidates):  # one worker's ranks: one group
+            adapter = model if model in first.adapters else None
+            groups[(first.tokenizer_path, first.block_size, adapter)] = candidates
+        else:
+            for t in candidates:
+                adapter = model if model in t.worker.adapters else None
+                key = (t.worker.tokenizer_path, t.worker.block_size, adapter)
+                groups.setdefault(key, []).append(t)
         shapes, matched, shared = {}, {}, 0
         unit = None
         for (_, _, adapter), members in groups.items():
