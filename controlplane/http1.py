@@ -338,15 +338,17 @@ class Pool:
         self,
         url: str,
         body: bytes,
-        headers: dict[str, str],
+        headers: dict[str, str] | bytes,
         *,
         connect_timeout_s: float | None,
         read_timeout_s: float | None,
         sent: Callable[[], None] | None = None,
     ) -> Response:
-        """POST ``body`` and wait for the answer's head. ``sent``: called once the request is
-        written (before a new connection is waited for, where none is idle: the caller's work
-        never waits on a connect), so the caller's own work overlaps the upstream's."""
+        """POST ``body`` and wait for the answer's head. ``headers``: a dict, or its lines as they
+        go on the wire (``encode_headers``: a caller that sends the same ones often encodes them
+        once). ``sent``: called once the request is written (before a new connection is waited
+        for, where none is idle: the caller's work never waits on a connect), so the caller's
+        own work overlaps the upstream's."""
         key, start = _split(url)
         conn = self._take_idle(key)
         if conn is None:
@@ -355,11 +357,8 @@ class Pool:
                 then()
             conn = await self._connect(key, connect_timeout_s)
         conn._reset()
-        head = [start]
-        for name, value in headers.items():
-            head.append(b"%s: %s\r\n" % (name.encode("latin-1"), value.encode("latin-1")))
-        head.append(b"Content-Length: %d\r\n\r\n" % len(body))
-        request = b"".join(head)
+        lines = headers if type(headers) is bytes else encode_headers(headers)
+        request = b"%s%sContent-Length: %d\r\n\r\n" % (start, lines, len(body))
         try:
             if len(body) < 65536:
                 conn.transport.write(request + body)
@@ -414,6 +413,14 @@ class Pool:
             while idle:
                 idle.pop().close()
         self._idle.clear()
+
+
+def encode_headers(headers: dict[str, str]) -> bytes:
+    """Header lines as they go on the wire (``name: value\\r\\n`` each)."""
+    return b"".join(
+        b"%s: %s\r\n" % (name.encode("latin-1"), value.encode("latin-1"))
+        for name, value in headers.items()
+    )
 
 
 _pools: dict[asyncio.AbstractEventLoop, Pool] = {}

@@ -10,6 +10,7 @@ import pytest
 from apps.routing.proxy import wire
 from apps.routing.proxy.endpoint import ProxyError, parse
 from apps.routing.proxy.wire import upstream_payload
+from controlplane import http1
 from engine.digests import block_digest, chain_digests
 
 
@@ -40,6 +41,22 @@ def test_the_upstream_body_is_the_clients_plus_the_routers_fields(prompt, flavou
         "stream_options": {"include_usage": True},
         **ids,
     }
+
+
+@pytest.mark.parametrize("api_key", ["", "sk-1"])
+@pytest.mark.parametrize("rank", [None, 0, 3])
+@pytest.mark.parametrize("explains", [False, True])
+def test_the_upstream_head_is_the_upstream_headers_on_the_wire(api_key, rank, explains):
+    """The head encoded once per target (and the prediction added) is what the dict would be."""
+    worker = SimpleNamespace(api_key=api_key)
+    dispatch = SimpleNamespace(target=SimpleNamespace(rank=rank, worker=worker),
+                               explains=explains, predicted_tokens=96)  # fmt: skip
+    for _ in range(2):  # made, then taken as made
+        head = wire.upstream_head(dispatch)
+        assert head == http1.encode_headers(wire.upstream_headers(dispatch))
+    assert (b"authorization: bearer sk-1\r\n" in head.lower()) == bool(api_key)
+    assert (b"x-data-parallel-rank: 3\r\n" in head) == (rank == 3)
+    assert (b"x-dpmesh-predicted-cached-tokens: 96\r\n" in head) == explains
 
 
 @pytest.mark.parametrize(

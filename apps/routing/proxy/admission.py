@@ -148,8 +148,9 @@ class Admission(DispatchObserver):
         slot granted in the same instant is released."""
         if self.draining:
             raise self._reject("draining", "the router is shutting down; retry elsewhere or later")
-        if not self.waiting and self._slot_free() and not self._fleet_saturated():
-            return self._grant(0.0, tenant)
+        slot = self.admit_now(tenant)
+        if slot is not None:
+            return slot
         if self.waiting >= self.queue_size:
             raise self._reject(
                 "queue_full",
@@ -157,6 +158,14 @@ class Admission(DispatchObserver):
                 f"waiting (the queue holds {self.queue_size}); retry later",
             )
         return await self._wait(priority, tenant)
+
+    def admit_now(self, tenant: str | None = None) -> Slot | None:
+        """``acquire``'s first step, with no await: a slot when the request can go at once and
+        nobody waits, else None (then ``acquire`` says why not, or queues it)."""
+        if not self.draining and not self.waiting and self._slot_free():
+            if not self._fleet_saturated():
+                return self._grant(0.0, tenant)
+        return None
 
     async def _wait(self, priority: int, tenant: str | None) -> Slot:
         loop = asyncio.get_running_loop()

@@ -261,7 +261,7 @@ async def _attempt(
             response = await http1.pool().post(
                 target.worker.url + path,
                 payload,
-                wire.upstream_headers(dispatch),
+                wire.upstream_head(dispatch),
                 connect_timeout_s=config.connect_timeout_s,
                 read_timeout_s=config.request_timeout_s,
                 sent=dispatch.settle,

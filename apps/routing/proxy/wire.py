@@ -19,7 +19,7 @@ import msgspec
 
 from apps.routing.decision.dispatch import Dispatch
 from apps.routing.decision.router import Router
-from controlplane import http
+from controlplane import http, http1
 from serving import tracing
 from serving.openai_fields import PRETOKENIZED
 
@@ -85,15 +85,19 @@ def upstream_payload(
         return json.dumps(payload).encode()
 
 
+def _target_headers(api_key: str, rank: int | None) -> dict:
+    """What every request to one target carries: JSON, the engine's key, and the rank in a header
+    too: vLLM reads it only from there, ours, ATOM and SGLang from the body (both are sent to
+    every flavour)."""
+    headers = {"content-type": "application/json", **http.auth_headers(api_key)}
+    if rank is not None:
+        headers["x-data-parallel-rank"] = str(rank)
+    return headers
+
+
 def upstream_headers(dispatch: Dispatch) -> dict:
-    """JSON, the engine's key, and the rank in a header too: vLLM reads it only from there, ours,
-    ATOM and SGLang from the body (both are sent to every flavour)."""
-    headers = {
-        "content-type": "application/json",
-        **http.auth_headers(dispatch.target.worker.api_key),
-    }
-    if dispatch.target.rank is not None:
-        headers["x-data-parallel-rank"] = str(dispatch.target.rank)
+    """The target's headers (``_target_headers``), the prediction's, the trace's."""
+    headers = _target_headers(dispatch.target.worker.api_key, dispatch.target.rank)
     if dispatch.explains:  # the engine counts what it had against it (issue 27)
         headers[PREDICTED_HEADER] = str(dispatch.predicted_tokens)
     if tracing.TRACER is not None:  # the attempt's span is the engine's request's parent
@@ -101,9 +105,31 @@ def upstream_headers(dispatch: Dispatch) -> dict:
     return headers
 
 
+# (api key, rank) -> ``_target_headers`` as they go on the wire: made once per target
+_HEADS: dict[tuple[str, int | None], bytes] = {}
+
+
+def upstream_head(dispatch: Dispatch) -> bytes:
+    """``upstream_headers`` as the lines on the wire (``http1.Pool.post`` takes either): the
+    target's part encoded once, not each request's dict encoded header by header."""
+    if tracing.TRACER is not None:  # a traceparent of its own: encoded as it is
+        return http1.encode_headers(upstream_headers(dispatch))
+    target = dispatch.target
+    key = (target.worker.api_key, target.rank)
+    head = _HEADS.get(key)
+    if head is None:
+        if len(_HEADS) >= 4096:  # keys rotated many times over: start again
+            _HEADS.clear()
+        head = _HEADS[key] = http1.encode_headers(_target_headers(*key))
+    if dispatch.explains:
+        head += _PREDICTED_LINE % dispatch.predicted_tokens
+    return head
+
+
 OVERHEAD_HEADER = b"x-dpmesh-overhead-duration-ms"  # as LiteLLM's x-litellm-overhead-duration-ms
 # the prompt tokens the router predicted cached on the engine it sent a request to
 PREDICTED_HEADER = "x-dpmesh-predicted-cached-tokens"
+_PREDICTED_LINE = PREDICTED_HEADER.encode() + b": %d\r\n"
 # the request's miss reasons (apps/routing/decision/misses.py): ``basis=engine`` with the engine's
 # cached tokens (an answer read whole), ``basis=predicted`` as the router expects them (a stream,
 # whose usage comes after its headers), then ``reason=tokens`` for each reason with some
