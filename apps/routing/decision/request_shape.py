@@ -171,14 +171,15 @@ class RequestShape:
     the router's too: each candidate's prompt tokens of the last minutes relative to the candidates'
     mean (``ServedVolume.excess``; None: not known, and a policy ignores it). ``warm`` is the
     router's too, on an idle fleet: the candidates that were their worker's rank used last and
-    have room for the request in their cache (empty while anything is in flight). ``ids`` are the
+    have room for the request in their cache (empty while anything is in flight), worked out when
+    first read (``warm_of``: only a policy breaking a tie reads it). ``ids`` are the
     token ids the digests were made from (None: digests of text, no tokenizer) and ``namespace``
     the tenant key they chain on (``tenant_namespace``): what the miss reasons look at
     (apps/routing/decision/misses.py)."""
 
     __slots__ = ("digests", "prompt_tokens", "block_tokens", "chat", "prefix_share",
-                 "prefix_requests", "volume_excess", "warm", "hittable_blocks", "ids",
-                 "namespace")  # fmt: skip
+                 "prefix_requests", "volume_excess", "_warm", "warm_of", "hittable_blocks",
+                 "ids", "namespace")  # fmt: skip
 
     def __init__(
         self,
@@ -198,7 +199,18 @@ class RequestShape:
         self.prefix_share: float | None = None
         self.prefix_requests = 0.0
         self.volume_excess: dict[str, float] | None = None
-        self.warm: frozenset[str] = frozenset()
+        self._warm: frozenset[str] | None = None
+        self.warm_of = None  # the router's: gives ``warm`` when it is first read
+
+    @property
+    def warm(self) -> frozenset[str]:
+        if self._warm is None:
+            self._warm = self.warm_of() if self.warm_of is not None else frozenset()
+        return self._warm
+
+    @warm.setter
+    def warm(self, keys: frozenset[str]) -> None:
+        self._warm = keys
 
 
 def tokenizes_off_loop(body: dict, chat: bool) -> bool:

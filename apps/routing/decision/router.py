@@ -144,13 +144,8 @@ class Router:
         if prefix is not None:
             primary.prefix_requests, primary.prefix_share = self.demand.asked(prefix)
         primary.volume_excess = self.volume.excess([t.key for t in candidates])
-        if role != "decode" and not any(t.load.inflight for t in candidates):
-            # an idle fleet: the rank used last keeps the ties while the request fits its cache
-            primary.warm = frozenset(
-                k
-                for k in self.timing.warm_keys(candidates)
-                if self.index.room(k) >= len(primary.digests)
-            )
+        if role != "decode":  # read by the policy only to break a tie, before anything changes
+            primary.warm_of = lambda: self._warm(candidates, primary)
         home = self.sessions.home(session, candidates) if session else None
         target = home or policy.choose(candidates, primary, matched, shared)
         if home is None and self.config.time_check and policy.name == "cache_aware":
@@ -212,6 +207,14 @@ class Router:
         else:
             settle()
         return dispatch
+
+    def _warm(self, candidates: list[Target], primary: RequestShape) -> frozenset[str]:
+        """On an idle fleet, the rank used last keeps the ties while the request fits its cache
+        (``RequestShape.warm``); nothing while anything is in flight."""
+        if any(t.load.inflight for t in candidates):
+            return frozenset()
+        keys = self.timing.warm_keys(candidates)
+        return frozenset(k for k in keys if self.index.room(k) >= len(primary.digests))
 
     def _miss_plan(self, target, candidates, shapes, matched, primary, predicted, placed,
                    session, pinned_model=None, role=None) -> MissPlan:  # fmt: skip
