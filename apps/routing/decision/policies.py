@@ -142,8 +142,8 @@ class CacheAware(Policy):
             self.kernel = core.cache_aware if core is not None else None
 
     def weights(self) -> tuple[float, ...]:
-        """The weights in the kernel's order (``WEIGHTS``), read at each call: they are plain
-        attributes (13 reads, ~0.3 us; a lab may set one between requests)."""
+        """The weights in the kernel's order (csrc/cache_aware.c's ``W_*``), read at each call:
+        they are plain attributes (13 reads, ~0.3 us; a lab may set one between requests)."""
         return (self.decode_weight, self.stickiness, self.balance_weight, self.slack,
                 self.new_session_slack, self.rework_floor, self.rework_cap, self.rework_max,
                 self.seat_weight, self.volume_weight, self.volume_cap, self.move_margin,
@@ -355,7 +355,7 @@ class CacheAware(Policy):
             return targets[near[0]]
         # the least loaded (sessions and requests); on an idle fleet the rank used last; fewer
         # requests lately; chance (the index last: min's first of equals, as with a key)
-        warm, rng = shape.warm, self.rng  # warm: set by the router on an idle fleet only
+        warm, rng = shape.warm, self.rng  # warm: the router's, on an idle fleet only
         ranked = [(loads[i][1] + loads[i][0], targets[i].key not in warm,
                    targets[i].load.recent_requests(), rng.random(), i) for i in near]  # fmt: skip
         return targets[min(ranked)[4]]
