@@ -200,26 +200,23 @@ class DirectBody:
         cycle = self.cycle
         if cycle.response_started or cycle.disconnected or cycle.scope["method"] == "HEAD":
             return False
-        content = [STATUS_LINE[status]]
-        names, values = [], []
-        for name, value in (*cycle.default_headers, (b"content-type", content_type), *headers):
-            if name.lower() in _FRAMING:
-                return False
-            names.append(name)
-            values.append(value)
-            content += (name, b": ", value, b"\r\n")
+        pairs = (*cycle.default_headers, (b"content-type", content_type), *headers)
+        names, values = zip(*pairs, strict=True)
+        if not _FRAMING.isdisjoint(map(bytes.lower, names)):
+            return False
         # uvicorn's checks of each name and value, as one search each: a tab may be in a value,
         # not in a name, so the values are searched joined by tabs and the names by nothing
         if HEADER_RE.search(b"".join(names)) or HEADER_VALUE_RE.search(b"\t".join(values)):
             return False
-        if not cycle.keep_alive:
-            content.append(b"connection: close\r\n")
-        content += (b"content-length: %d\r\n\r\n" % len(body), body)
+        lines = b"".join([b"%s: %s\r\n" % (name, value) for name, value in pairs])
+        close = b"" if cycle.keep_alive else b"connection: close\r\n"
+        content = b"%s%s%scontent-length: %d\r\n\r\n%s" % (
+            STATUS_LINE[status], lines, close, len(body), body)  # fmt: skip
         cycle.response_started = True
         cycle.waiting_for_100_continue = False
         cycle.chunked_encoding = False
         cycle.expected_content_length = 0
-        cycle.transport.write(b"".join(content))
+        cycle.transport.write(content)
         cycle.response_complete = True
         cycle.message_event.set()
         if not cycle.keep_alive:
