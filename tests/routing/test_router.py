@@ -75,15 +75,17 @@ def test_route_commits_load_and_index_and_the_repeat_is_predicted(tiny_path, cha
     assert load.idle
 
 
-def test_a_dispatch_settled_later_commits_its_load_now_and_the_rest_at_settle(tiny_path):
-    """The proxy's way (``settle_later``): the choice and its load at once, the index, stats and
-    miss plan when the request is written upstream (``settle``), or at its end if it never is."""
+def test_a_dispatch_settled_later_commits_its_choice_now_and_the_rest_at_settle(tiny_path):
+    """The proxy's way (``settle_later``): the choice at once, the load, index, stats and miss
+    plan when the request is written upstream (``settle``), or at its end if it never is; what
+    reads the load settles first."""
     router = make_router(tiny_path, workers=((1, "tiny", 1),))
     sent = router.route(CHAT, True, "tiny", settle_later=True)
     key = sent.target.key
-    assert sent.target.load.requests == 1 and sent.explains and sent.plan is None
+    assert sent.target.load.requests == 0 and sent.explains and sent.plan is None
     assert router.index.match(sent.shape.digests) == {} and key not in router.stats.targets
     sent.settle()
+    assert sent.target.load.requests == 1 and sent.ticket is not None
     assert router.index.match(sent.shape.digests) == {key: 2} and sent.plan is not None
     assert router.stats.targets[key].requests == 1
     sent.settle()  # once only
@@ -95,6 +97,13 @@ def test_a_dispatch_settled_later_commits_its_load_now_and_the_rest_at_settle(ti
     never.unreachable()  # refused before anything was written: its end settles it
     assert router.index.match(never.shape.digests) == {key: len(never.shape.digests)}
     assert never.target.load.idle and router.stats.targets[key].requests == 2
+    assert never.target.load.dispatched == 2  # begun at its settle, then ended
+
+    read = router.route({"prompt": "a third prompt " * 8}, False, "tiny", settle_later=True)
+    assert read.prefill_tokens > 0 and read.target.load.requests == 1  # read: settled
+    read.first_token()
+    read.finish(ok=True)
+    assert read.target.load.idle
 
 
 def test_a_long_cached_prompt_returns_home(tiny_path):

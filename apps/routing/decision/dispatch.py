@@ -56,7 +56,7 @@ class Dispatch:
     """A request sent to ``target``: what the index predicted, its load ticket, its timing."""
 
     __slots__ = ("target", "shape", "predicted_tokens", "ticket", "trial", "started", "_stats",
-                 "_observers", "_timing", "_clock", "plan", "_misses", "_explained",
+                 "_observers", "timing_sample", "_clock", "plan", "_misses", "_explained",
                  "pending", "_reported")  # fmt: skip
 
     def __init__(
@@ -64,7 +64,7 @@ class Dispatch:
         target: Target,
         shape: RequestShape,
         predicted_tokens: int,
-        ticket: LoadTicket,
+        ticket: LoadTicket | None,
         *,
         trial: bool,
         stats: RouterStats,
@@ -74,12 +74,15 @@ class Dispatch:
         misses: MissReasons | None = None,
     ):
         self.target, self.shape, self.predicted_tokens = target, shape, predicted_tokens
+        # the load's ticket; None until the router's commit begins it (``settle``), which every
+        # reader of it here runs first
         self.ticket = ticket
         self.trial = trial  # the half-open circuit's one trial request
         self._clock = clock  # the router's (the routing lab's is virtual)
         self.started = clock()
         self._stats, self._observers = stats, observers
-        self._timing = timing  # the router's time model learns from this request's first token
+        # the router's time model learns from this request's first token (set with the ticket)
+        self.timing_sample = timing
         # what the router knew, to name the reason of every prompt token the engine computed
         # (apps/routing/decision/misses.py): the plan is the router's commit's to set (``settle``);
         # both None where it predicts nothing (a passthrough path, a decode leg)
@@ -108,23 +111,25 @@ class Dispatch:
     @property
     def prefill_tokens(self) -> int:
         """The prompt tokens the index expected the engine to compute (not cached there)."""
+        self.settle()
         return self.ticket.prefill_tokens
 
     @property
     def finished(self) -> bool:
+        self.settle()
         return self.ticket.ended
 
     def first_token(self) -> None:
         """The first token arrived (idempotent; a no-op once finished)."""
+        self.settle()
         if self.ticket.prefilled:
             return
-        self.settle()
         self.target.load.first_token(self.ticket)
         self._tell_prefilled()
         seconds = self._clock() - self.started
         self._stats.ttft.observe(seconds)
-        if self._timing is not None:
-            self._timing.observe(seconds)
+        if self.timing_sample is not None:
+            self.timing_sample.observe(seconds)
         for observer in self._observers:
             observer.first_token(self.target.key, seconds)
 
@@ -157,9 +162,9 @@ class Dispatch:
     def finish(self, *, ok: bool, usage: dict | None = None, aborted: bool = False) -> None:
         """End the request (idempotent). ``usage``: the engine's, for its cached tokens;
         ``aborted``: the client left first (not the target's error)."""
+        self.settle()
         if self.ticket.ended:
             return
-        self.settle()
         if not self.ticket.prefilled:
             self._tell_prefilled()
         self.target.load.end(self.ticket)

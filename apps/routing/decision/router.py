@@ -112,12 +112,13 @@ class Router:
         prompt is not the one the router sees: a Responses continuation, whose earlier turns are
         in the engine's store).
 
-        ``settle_later``: the choice and its load are committed here, the rest (the index insert,
-        the observers, the stats, the session, the miss plan) by the dispatch's ``settle``, which
-        the proxy calls right after it wrote the request to the engine (``http1.Pool.post``'s
-        ``sent``): the engine starts on it that much sooner, and the bookkeeping runs while the
-        router waits for the answer. Nothing runs between the two but that write (no other
-        request is routed in between), and a dispatch that ends first settles first."""
+        ``settle_later``: the choice is committed here (the circuit's trial), the rest (the load,
+        the index insert, the observers, the stats, the session, the miss plan) by the dispatch's
+        ``settle``, which the proxy calls right after it wrote the request to the engine
+        (``http1.Pool.post``'s ``sent``): the engine starts on it that much sooner, and the
+        bookkeeping runs while the router waits for the answer. Nothing runs between the two but
+        that write (no other request is routed in between, so the load it reads is the same), and
+        a dispatch settles before anything reads its load or ends it."""
 
         def allowed(t: Target) -> bool:
             return t.key not in exclude and (rank is None or t.rank == rank)
@@ -166,28 +167,28 @@ class Router:
         # second turn, and placing them by in-flight requests alone lets the rank that answers
         # fastest collect more conversations than the others.
         continues = matched.get(target.key, 0) > shared
-        sample = self.timing.dispatched(
-            target, shape.prompt_tokens - predicted + target.load.queued_prefill_tokens
-        )
-        ticket = target.load.begin(
-            shape.prompt_tokens, shape.prompt_tokens - predicted, continues or chat
-        )
         # a decode leg computes no prompt: nothing to explain
         explains = predict and path in CACHED_PATHS and role != "decode"
         dispatch = Dispatch(
             target,
             shape,
             predicted,
-            ticket,
+            None,  # the load's ticket: the commit's (``settle``)
             trial=target.breaker.dispatched(),
             stats=self.stats,
             observers=self.observers,
-            timing=sample,
             clock=self.clock,
             misses=self.misses if explains else None,
         )
 
         def settle() -> None:
+            # the load first: the time model's sample reads the queue before this request joins
+            dispatch.timing_sample = self.timing.dispatched(
+                target, shape.prompt_tokens - predicted + target.load.queued_prefill_tokens
+            )
+            dispatch.ticket = target.load.begin(
+                shape.prompt_tokens, shape.prompt_tokens - predicted, continues or chat
+            )
             if explains:
                 pinned = model if rank is not None else None
                 plan = self._miss_plan(target, candidates, shapes, matched, primary, predicted,
