@@ -64,25 +64,23 @@ class Dispatch:
         target: Target,
         shape: RequestShape,
         predicted_tokens: int,
-        ticket: LoadTicket | None,
         *,
         trial: bool,
         stats: RouterStats,
         observers: list[DispatchObserver],
-        timing: TimingSample | None = None,
         clock=time.perf_counter,
         misses: MissReasons | None = None,
     ):
         self.target, self.shape, self.predicted_tokens = target, shape, predicted_tokens
         # the load's ticket; None until the router's commit begins it (``settle``), which every
         # reader of it here runs first
-        self.ticket = ticket
+        self.ticket: LoadTicket | None = None
         self.trial = trial  # the half-open circuit's one trial request
         self._clock = clock  # the router's (the routing lab's is virtual)
         self.started = clock()
         self._stats, self._observers = stats, observers
         # the router's time model learns from this request's first token (set with the ticket)
-        self.timing_sample = timing
+        self.timing_sample: TimingSample | None = None
         # what the router knew, to name the reason of every prompt token the engine computed
         # (apps/routing/decision/misses.py): the plan is the router's commit's to set (``settle``);
         # both None where it predicts nothing (a passthrough path, a decode leg)

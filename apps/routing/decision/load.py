@@ -142,10 +142,7 @@ class RankLoad:
     def totals(self, now: float) -> tuple[int, float, int]:
         """``inflight``, ``active_sessions(now)`` and ``queued_prefill_tokens`` in one call (a
         policy reads them for every candidate of every request)."""
-        live = self.own_active_sessions(now) if self._sessions else 0.0
-        if self.peers:
-            live += self._peers_decayed("sessions", SESSION_HALF_LIFE_S, now)
-        return (self.requests + self.peer_requests, live,
+        return (self.requests + self.peer_requests, self.active_sessions(now),
                 self.pending_prefill_tokens + self.peer_prefill_tokens)  # fmt: skip
 
     def begin(

@@ -173,7 +173,6 @@ class Router:
             target,
             shape,
             predicted,
-            None,  # the load's ticket: the commit's (``settle``)
             trial=target.breaker.dispatched(),
             stats=self.stats,
             observers=self.observers,

@@ -162,10 +162,9 @@ class Admission(DispatchObserver):
     def admit_now(self, tenant: str | None = None) -> Slot | None:
         """``acquire``'s first step, with no await: a slot when the request can go at once and
         nobody waits, else None (then ``acquire`` says why not, or queues it)."""
-        if not self.draining and not self.waiting and self._slot_free():
-            if not self._fleet_saturated():
-                return self._grant(0.0, tenant)
-        return None
+        if self.draining or self.waiting or not self._slot_free() or self._fleet_saturated():
+            return None
+        return self._grant(0.0, tenant)
 
     async def _wait(self, priority: int, tenant: str | None) -> Slot:
         loop = asyncio.get_running_loop()
