@@ -85,55 +85,56 @@ async def until_disconnect(work, receive, direct=None):
     """Run ``work`` until it ends or the client disconnects; a disconnect cancels it (its own
     cleanup then closes whatever it holds upstream) and returns None. Re-raises what ``work``
     raised. ``work`` runs in the calling task (one task less a request than running it beside
-    the watcher); the watcher cancels that task when the client goes. With ``direct`` (the
-    server's ``DIRECT_BODY``) the server tells of the client leaving itself: no watcher task
-    (and no coroutine between this one and ``work``: the hot path)."""
-    current = asyncio.current_task()
-    if direct is None:
-        return await _until_received(work, receive, current)
-    if direct.disconnected:  # gone already
+    the watcher); ``direct``: the server's ``DIRECT_BODY``, which tells of the client leaving
+    itself (``CancelOnDisconnect``)."""
+    if direct is not None and direct.disconnected:  # gone already
         work.close()
         return None
-    gone = False
-
-    def lost():
-        nonlocal gone
-        gone = True
-        current.cancel()
-
-    direct.on_lost = lost
-    try:
+    with CancelOnDisconnect(receive, direct):
         return await work
-    except asyncio.CancelledError:
-        if not gone:
-            raise
-        current.uncancel()  # the client's leaving ends the work, not the request's handler
-        return None
-    finally:
-        direct.on_lost = None
+    return None  # the client left: the block's cancellation was taken back
 
 
-async def _until_received(work, receive, current):
-    """``until_disconnect`` where the server tells of a disconnect only through ``receive``."""
-    gone = False
+class CancelOnDisconnect:
+    """``with CancelOnDisconnect(receive, direct):`` the block's awaits are cancelled when the
+    client disconnects, and the block then ends quietly (the cancellation taken back: the
+    client's leaving ends the work, not the request's handler); anything else it raises goes
+    on. A context of the calling task, not a coroutine around the work: no task and no frame
+    a request where the server tells of the client leaving itself (``direct``, the server's
+    ``DIRECT_BODY``: the hot path); without it a watcher task reads ``receive`` for the
+    ``http.disconnect``."""
 
-    async def watch():
-        nonlocal gone
+    __slots__ = ("task", "direct", "watcher", "gone")
+
+    def __init__(self, receive, direct=None):
+        self.task = asyncio.current_task()
+        self.direct, self.watcher, self.gone = direct, None, False
+        if direct is not None:
+            direct.on_lost = self._lost
+        else:
+            self.watcher = asyncio.ensure_future(self._watch(receive))
+
+    def _lost(self) -> None:
+        self.gone = True
+        self.task.cancel()
+
+    async def _watch(self, receive) -> None:
         while (await receive())["type"] != "http.disconnect":
             pass
-        gone = True
-        current.cancel()
+        self._lost()
 
-    watcher = asyncio.ensure_future(watch())
-    try:
-        return await work
-    except asyncio.CancelledError:
-        if not gone:
-            raise
-        current.uncancel()
-        return None
-    finally:
-        watcher.cancel()
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, exc, traceback) -> bool:
+        if self.direct is not None:
+            self.direct.on_lost = None
+        else:
+            self.watcher.cancel()
+        if kind is asyncio.CancelledError and self.gone:
+            self.task.uncancel()
+            return True
+        return False
 
 
 async def send_body(

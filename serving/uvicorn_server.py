@@ -303,6 +303,16 @@ class Cut:
                 if not self.cutting:
                     raise
                 return None
+        direct = direct_body(scope)
+        if direct is not None:  # its connection tells how far the answer went: ``send`` as it is
+            try:
+                return await self.app(scope, receive, send)
+            except asyncio.CancelledError:
+                if not self.cutting:
+                    raise
+            cycle = direct.cycle
+            await _end_cut(send, cycle.response_started, cycle.response_complete)
+            return None
         started = ended = False
 
         async def tracked(message):
@@ -318,14 +328,19 @@ class Cut:
         except asyncio.CancelledError:
             if not self.cutting:
                 raise
-        direct = direct_body(scope)  # it answers without ``send``
-        if ended or (direct is not None and direct.cycle.response_complete):
-            return None
-        if started or (direct is not None and direct.cycle.response_started):
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        else:
-            await send_json(send, 503, APIError(503, "the server is stopping").body())
+        await _end_cut(send, started, ended)
         return None
+
+
+async def _end_cut(send, started: bool, ended: bool) -> None:
+    """End the answer of a request the server cut: a stream stops where it was, an answer not
+    begun is a 503."""
+    if ended:
+        return
+    if started:
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+    else:
+        await send_json(send, 503, APIError(503, "the server is stopping").body())
 
 
 def make_server(

@@ -36,12 +36,12 @@ from serving import memory, tracing
 from serving.asgi import (
     BodyTimeout,
     BodyTooLarge,
+    CancelOnDisconnect,
     ClientGone,
     declared_length,
     direct_body,
     read_body,
     send_body,
-    until_disconnect,
 )
 from serving.openai_fields import APIError, rank_hint, strict_json
 
@@ -124,16 +124,15 @@ class OpenAIEndpoint:
             self._facts, self._facts_of = (limits.body_limit(workers), dp_size), targets
         return self._facts
 
-    async def __call__(self, scope, receive, send) -> None:
-        if tracing.TRACER is None:
-            await self._handle(scope, receive, send)
+    async def __call__(self, scope, receive, send, span=None) -> None:
+        """One request, in one coroutine from its arrival to ``proxy_request`` (each coroutine
+        between the server and the engine is a frame that every resume of the request passes
+        through): its access and method, its body, its own fields, then, under
+        ``CancelOnDisconnect``, its admission and ``proxy_request``, which routes, sends and
+        relays it. ``span``: its server span (``_traced``), when traced."""
+        if tracing.TRACER is not None and span is None:
+            await self._traced(scope, receive, send)
             return
-        parent = tracing.parent_from(scope.get("headers"))  # the client's traceparent
-        route = {"http.route": scope["path"]}
-        with tracing.server_span("dpmesh.router.request", parent, **route) as span:
-            await self._handle(scope, receive, send, span)
-
-    async def _handle(self, scope, receive, send, span=None) -> None:
         arrived = time.perf_counter()
         path, stats = scope["path"], self.router.stats
 
@@ -163,113 +162,87 @@ class OpenAIEndpoint:
             return
         size = 0
         try:
-            size = await self._read_and_serve(
-                scope, read, receive, send, path, (limit, dp_size), arrived
-            )
+            waiting = time.perf_counter()
+            try:
+                # all of it here (the usual case: the server held the request for a small body),
+                # taken as it is; else read as it comes, under its deadline
+                raw = direct.whole_body() if direct is not None else None
+                if raw is None:
+                    raw = await read_body(receive, limit, scope, self.body_timeout_s)
+                elif len(raw) > limit:
+                    raise BodyTooLarge(f"the request body is larger than {limit} bytes")
+                size = len(raw)
+                body = parse(raw)
+                # what the client asked of the fleet
+                pin = client_rank(dp_size, body, read)
+                priority = request_priority(read)
+            except ClientGone:
+                return
+            except (BodyTooLarge, BodyTimeout, ProxyError) as exc:
+                await send_body(send, *_refusal(exc))
+                return
+            # the router's own time leaves out the client's: the body's way here, from the wait
+            # for it to its last byte (a client writes head and body apart, or trickles the
+            # body); where the server does not say when that was (daphne), the whole wait counts
+            body_at = direct.body_at if direct is not None else None
+            if body_at is not None and body_at > waiting:
+                arrived += body_at - waiting
+            # the request's tenant (proxy/tenants.py): its rate limits, its cache salt when asked
+            # for, its fair share of the admission queue
+            tenant = tenants.tenant_of(read)
+            salted = self.router.config.tenant_cache_salt and PATHS[path] is not None
+            if salted and "cache_salt" not in body and tenant != tenants.ANONYMOUS:
+                body["cache_salt"] = tenant  # its prefixes are its own
+            if self.tenants.active:  # rate limits: before admission
+                try:
+                    self.tenants.admit(tenant)
+                except tenants.RateLimited as exc:
+                    await send_body(send, exc.status, exc.body(), headers=exc.headers())
+                    return
+                tenants.USAGE_SINK.set(functools.partial(self.tenants.spent, tenant))
+            session = session_of(body, read["headers"])
+            if direct is not None and direct.disconnected:  # gone already
+                return
+            # from here a client that leaves cancels the request, its wait for admission too
+            with CancelOnDisconnect(receive, direct):
+                try:
+                    # admitted at once, the usual case, without an await (traced: under its span)
+                    slot = self.admission.admit_now(tenant) if tracing.TRACER is None else None
+                    if slot is None:
+                        asked = time.perf_counter()
+                        with tracing.span("dpmesh.router.admission"):
+                            slot = await self.admission.acquire(priority, tenant)
+                        arrived += time.perf_counter() - asked  # the wait is not the router's
+                except Rejected as exc:
+                    await send_body(send, exc.status, exc.body(), headers=exc.headers())
+                    return
+                try:
+                    chat = bool(PATHS[path])
+                    await proxy_request(self.router, body, chat=chat, path=path, send=send,
+                                        rank=pin, session=session, since=arrived)  # fmt: skip
+                finally:
+                    slot.release()  # however it ended
         finally:
             self.large_bodies.give_back(held)
             if held or size >= limits.LARGE_BODY_BYTES:
                 memory.trim()  # the body, its prompt and its tokens are garbage now
 
-    async def _read_and_serve(
-        self, scope, read, receive, send, path: str, facts: tuple[int, int], arrived: float
-    ) -> int:
-        """Read the body, then serve it; the body's size in bytes (0 when none was read).
-        ``read``: the headers it reads (``READ_HEADERS``); ``facts``: ``fleet_facts()``."""
-        size, (limit, dp_size) = 0, facts
-        try:
-            waiting = time.perf_counter()
-            # all of it here (the usual case: the server held the app for a small body), read
-            # as it is; else read as it comes, under its deadline
-            raw = send.direct.whole_body() if send.direct is not None else None
-            if raw is None:
-                raw = await read_body(receive, limit, scope, self.body_timeout_s)
-            elif len(raw) > limit:
-                raise BodyTooLarge(f"the request body is larger than {limit} bytes")
-            size = len(raw)
-            body = parse(raw)
-        except ClientGone:
-            return size
-        except BodyTooLarge as exc:
-            await send_body(send, 413, ProxyError(413, str(exc)).body())
-            return size
-        except BodyTimeout as exc:
-            await send_body(send, 408, ProxyError(408, str(exc)).body())
-            return size
-        except ProxyError as exc:
-            await send_body(send, exc.status, exc.body())
-            return size
-        # the router's own time leaves out the client's: the body's way here, from the wait for
-        # it to its last byte (a client writes head and body apart, or trickles the body); where
-        # the server does not say when that was (daphne), the whole wait counts
-        body_at = send.direct.body_at if send.direct is not None else None
-        if body_at is not None and body_at > waiting:
-            arrived += body_at - waiting
-        try:
-            pin = client_rank(dp_size, body, read)
-            priority = request_priority(read)
-        except ProxyError as exc:
-            await send_body(send, exc.status, exc.body())
-            return size
-        # the request's tenant (proxy/tenants.py): its rate limits, its cache salt when asked
-        # for, its fair share of the admission queue
-        tenant = tenants.tenant_of(read)
-        salted = self.router.config.tenant_cache_salt and PATHS[path] is not None
-        if salted and "cache_salt" not in body and tenant != tenants.ANONYMOUS:
-            body["cache_salt"] = tenant  # its prefixes are its own
-        if self.tenants.active:  # rate limits: before admission
-            try:
-                self.tenants.admit(tenant)
-            except tenants.RateLimited as exc:
-                await send_body(send, exc.status, exc.body(), headers=exc.headers())
-                return size
-            tenants.USAGE_SINK.set(functools.partial(self.tenants.spent, tenant))
-        # the wait for admission runs under until_disconnect too: a client that leaves the queue
-        # cancels it
-        session = session_of(body, read["headers"])
-        serve = self._serve(body, path, send, pin, priority, session, arrived, tenant)
-        await until_disconnect(serve, receive, send.direct)
-        return size
+    async def _traced(self, scope, receive, send) -> None:
+        """The request under its server span (the client's traceparent its parent)."""
+        parent = tracing.parent_from(scope.get("headers"))
+        route = {"http.route": scope["path"]}
+        with tracing.server_span("dpmesh.router.request", parent, **route) as span:
+            await self(scope, receive, send, span)
 
-    async def _serve(
-        self,
-        body: dict,
-        path: str,
-        send,
-        rank: int | None,
-        priority: int,
-        session: str | None,
-        arrived: float,
-        tenant: str | None = None,
-    ) -> None:
-        """Admit the request (or answer why not), then proxy it, retries included; the slot is
-        released however that ends. The router's overhead counts from ``arrived``, less the
-        wait for admission; ``tenant`` gets its fair share of the queue."""
-        try:
-            asked = time.perf_counter()
-            # admitted at once, the usual case, without an await (traced: under its span)
-            slot = self.admission.admit_now(tenant) if tracing.TRACER is None else None
-            if slot is None:
-                with tracing.span("dpmesh.router.admission"):
-                    slot = await self.admission.acquire(priority, tenant)
-            arrived += time.perf_counter() - asked
-        except Rejected as exc:
-            await send_body(send, exc.status, exc.body(), headers=exc.headers())
-            return
-        try:
-            chat = bool(PATHS[path])
-            await proxy_request(
-                self.router,
-                body,
-                chat=chat,
-                path=path,
-                send=send,
-                rank=rank,
-                session=session,
-                since=arrived,
-            )
-        finally:
-            slot.release()
+
+def _refusal(exc: Exception) -> tuple[int, bytes]:
+    """The status and error body of a request refused before it is served (its body, its
+    fields)."""
+    if isinstance(exc, BodyTooLarge):
+        return 413, ProxyError(413, str(exc)).body()
+    if isinstance(exc, BodyTimeout):
+        return 408, ProxyError(408, str(exc)).body()
+    return exc.status, exc.body()
 
 
 def request_priority(scope) -> int:

@@ -97,7 +97,7 @@ class Ending:
         span.set_attributes(attributes)
 
 
-async def proxy_request(
+def proxy_request(
     router: Router,
     body: dict,
     *,
@@ -107,29 +107,37 @@ async def proxy_request(
     rank: int | None = None,
     session: str | None = None,
     since: float | None = None,
-) -> None:
-    """Serve one request through the router; cancelled when the client disconnects. ``rank``:
-    the client's own pin (endpoint.client_rank), else the router chooses; ``session``: the
-    client's session id (apps/routing/decision/sessions.py); ``since``: when the router's own
-    work on it began (``time.perf_counter``; its arrival, moved on by an admission wait), from
-    which the overhead it reports is counted."""
+):
+    """Serve one request through the router (an awaitable; cancelled when the client
+    disconnects). ``rank``: the client's own pin (endpoint.client_rank), else the router chooses;
+    ``session``: the client's session id (apps/routing/decision/sessions.py); ``since``: when the
+    router's own work on it began (``time.perf_counter``; its arrival, moved on by an admission
+    wait), from which the overhead it reports is counted. Where nothing is to be awaited before
+    it is routed (the usual case), what it returns is ``_attempts``' own coroutine, with no
+    frame of its own between."""
     since = time.perf_counter() if since is None else since
     model = body.get("model") if isinstance(body.get("model"), str) else None
     if path == wire.RESPONSES_PATH:
-        await _responses(router, body, path, send, model, rank, session, since)
-        return
+        return _responses(router, body, path, send, model, rank, session, since)
     if path not in CACHED_PATHS:  # embeddings, scoring: routed by load, passed through as sent
-        await _attempts(router, body, chat, path, send, model, rank, session, since, {})
-        return
+        return _attempts(router, body, chat, path, send, model, rank, session, since, {})
+    if router.config.pd or tokenizes_off_loop(body, chat):
+        return _prepared(router, body, chat, path, send, model, rank, session, since)
+    # a short text prompt: tokenized inline, when at all (shape_request)
+    return _attempts(router, body, chat, path, send, model, rank, session, since, {})
 
-    # a long text prompt is tokenized once, in worker threads, for every attempt; no further
-    # than the longest context of the workers that could serve it (apps/routing/proxy/limits.py)
+
+async def _prepared(router, body, chat, path, send, model, rank, session, since):
+    """``proxy_request`` for a long text prompt, tokenized once, in worker threads, for every
+    attempt, no further than the longest context of the workers that could serve it
+    (apps/routing/proxy/limits.py); and for a prefill/decode-disaggregated fleet."""
+
     def limit():  # read only for a long prompt or one of token ids
         fleet = router.fleet
         return limits.prompt_limit(fleet.candidates(model) or fleet.candidates(None))
 
     try:
-        ids_by_path = {}  # a short text prompt: tokenized inline, when at all (shape_request)
+        ids_by_path = {}
         if tokenizes_off_loop(body, chat):
             ids_by_path = await tokenize_off_loop(
                 body, chat, lambda: router.tokenizer_paths(model), limit
@@ -258,13 +266,21 @@ async def _attempt(
         try:
             payload = wire.upstream_payload(body, dispatch, stream, ids)
             overhead_s = time.perf_counter() - since
+            head = []  # the answer's route headers, made while the engine works
+
+            def sent() -> None:
+                """The request is written: the router's commit and what the answer will say
+                of it, while the engine works (off the path from its answer to the client)."""
+                dispatch.settle()
+                head.extend(wire.route_headers(dispatch, None, overhead_s))
+
             response = await http1.pool().post(
                 target.worker.url + path,
                 payload,
                 wire.upstream_head(dispatch),
                 connect_timeout_s=config.connect_timeout_s,
                 read_timeout_s=config.request_timeout_s,
-                sent=dispatch.settle,
+                sent=sent,
             )
         except http1.ConnectTimeout as exc:
             ending.unreachable = True
@@ -292,7 +308,7 @@ async def _attempt(
                 raw = b""
             message = f"upstream {target.key} answered {response.status}"
             return ProxyError(response.status, message, "server_error", raw=raw or None)
-        headers = wire.route_headers(dispatch, response, overhead_s) + (extra or [])
+        headers = head + wire.served_rank(dispatch, response) + (extra or [])
         router.stats.overhead.observe(overhead_s)
         content_type = response.header(b"content-type") or "application/json"
         if response.status == 200 and stream and content_type.startswith("text/event-stream"):

@@ -146,18 +146,28 @@ def misses_header(dispatch: Dispatch, usage: dict | None) -> list:
     return [(MISSES_HEADER, "; ".join(parts).encode())]
 
 
-def route_headers(dispatch: Dispatch, response, overhead_s: float | None = None) -> list:
-    """The target, the rank that served (ours, or the engine's own answer), and the router's
-    own time for this request in ms (``overhead_s``)."""
+def route_headers(dispatch: Dispatch, response=None, overhead_s: float | None = None) -> list:
+    """The target, the rank that served (ours; without one, the engine's own answer's:
+    ``served_rank``, once there is a ``response``), and the router's own time for this request
+    in ms (``overhead_s``)."""
     headers = [(b"x-routed-target", dispatch.target.key.encode())]
     if overhead_s is not None:
         headers.append((OVERHEAD_HEADER, b"%.3f" % (overhead_s * 1000)))
     rank = dispatch.target.rank
-    if rank is None:
-        rank = response.header(b"x-data-parallel-rank")
     if rank is not None:
-        headers.append((b"x-data-parallel-rank", str(rank).encode()))
+        headers.append((b"x-data-parallel-rank", b"%d" % rank))
+    elif response is not None:
+        headers += served_rank(dispatch, response)
     return headers
+
+
+def served_rank(dispatch: Dispatch, response) -> list:
+    """The rank the engine says served the request, where the router placed none (a worker
+    routed as a whole): its answer's own ``x-data-parallel-rank``, passed on."""
+    if dispatch.target.rank is not None:
+        return []
+    rank = response.header(b"x-data-parallel-rank")
+    return [(b"x-data-parallel-rank", rank.encode())] if rank is not None else []
 
 
 # ----- prefill/decode disaggregation (apps/routing/proxy/pd.py) -------------------------------
