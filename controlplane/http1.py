@@ -97,6 +97,11 @@ class _Connection(asyncio.Protocol):
         self.idle_since = 0.0
         self.sink = None  # Response.pipe's function, while it pipes
         self.last_arrival = 0.0  # when it was handed a piece last: its read timeout's clock
+        # the read timeout: the current wait's deadline (loop time; None: none) and the timer
+        # that checks it (``_arm``)
+        self.deadline: float | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.timer_at = 0.0
         self._reset()
 
     def _reset(self) -> None:
@@ -128,6 +133,9 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
         if not self.complete and self.error is None:
             if self.headers_done and self._ends_at_close():
                 self.complete = True  # a body without a length ends when the connection does
@@ -193,17 +201,34 @@ class _Connection(asyncio.Protocol):
     async def wait(self, timeout_s: float | None) -> None:
         """Until something more arrives (or the connection ends), at most ``timeout_s``."""
         waiter = self.waiter = self.loop.create_future()
-        timer = self.loop.call_later(timeout_s, self._time_out, waiter) if timeout_s else None
+        self.deadline = None
+        if timeout_s:
+            self.deadline = deadline = self.loop.time() + timeout_s
+            if self.timer is None or self.timer_at > deadline:
+                self._arm(deadline)
         try:
             await waiter
         finally:
             self.waiter = None
-            if timer is not None:
-                timer.cancel()
 
-    def _time_out(self, waiter: asyncio.Future) -> None:
-        if not waiter.done():
+    def _arm(self, at: float) -> None:
+        """The connection's one timer, at ``at``: it outlives a wait (a request's answer comes
+        well before its read timeout; the next request's wait finds it armed for a time before
+        its own deadline and leaves it), so a request neither sets nor cancels a timer; when it
+        fires it checks the deadline of whatever waits then (``_time_out``)."""
+        if self.timer is not None:
+            self.timer.cancel()
+        self.timer, self.timer_at = self.loop.call_at(at, self._time_out), at
+
+    def _time_out(self) -> None:
+        self.timer = None
+        waiter, deadline = self.waiter, self.deadline
+        if waiter is None or waiter.done() or deadline is None or self.closed:
+            return  # nothing waits: the next wait arms it again
+        if self.loop.time() >= deadline:
             waiter.set_exception(ReadTimeout("no answer from the engine within the read timeout"))
+        else:  # a later wait's deadline: checked again then
+            self._arm(deadline)
 
     def _wake(self) -> None:
         waiter = self.waiter
