@@ -138,38 +138,23 @@ class MissReasons:
         bt = shape.block_tokens
         hittable = min(shape.hittable_blocks * bt, max(0, prompt_tokens - 1))
         out: dict[str, int] = {}
-        claimed: list[tuple[int, int]] = []
         diverged_at = None
-
-        def claim(reason: str, start: int, end: int) -> None:
-            """Give ``reason`` the tokens of [start, end) that are missed and not yet given."""
-            pos, end = max(start, cached), min(end, hittable)
-            for s, e in sorted(claimed):
-                if pos >= end:
-                    break
-                if e <= pos:
-                    continue
-                if s > pos:
-                    out[reason] = out.get(reason, 0) + min(s, end) - pos
-                pos = max(pos, e)
-            if end > pos:
-                out[reason] = out.get(reason, 0) + end - pos
-            if end > max(start, cached):
-                claimed.append((max(start, cached), end))
-
         if cached < hittable:
-            # (a span that ends where the engine's cached tokens do, or before, names nothing)
+            # each reason's span, in order; a span that ends where the engine's cached tokens
+            # do, or before, names nothing
+            spans = []
             if plan.predicted > cached:
-                claim("mispredicted", 0, plan.predicted)
+                spans.append(("mispredicted", 0, plan.predicted))
             if plan.unplaced:
-                claim("pin_not_honoured", 0, hittable)
-                return self._tail(out, prompt_tokens, hittable, cached), None
-            if plan.best > max(plan.predicted, cached):
-                claim("placed_elsewhere", plan.predicted, plan.best)
-            if plan.text:
-                claim("no_tokenizer", 0, hittable)
+                spans.append(("pin_not_honoured", 0, hittable))
             else:
-                diverged_at = self._claim_lost(plan, claim)
+                if plan.best > max(plan.predicted, cached):
+                    spans.append(("placed_elsewhere", plan.predicted, plan.best))
+                if plan.text:
+                    spans.append(("no_tokenizer", 0, hittable))
+                else:
+                    diverged_at = self._lost_spans(plan, spans)
+            _claim(spans, cached, hittable, out)
         return self._tail(out, prompt_tokens, hittable, cached), diverged_at
 
     @staticmethod
@@ -184,27 +169,28 @@ class MissReasons:
             out["tail"] = tail
         return out
 
-    def _claim_lost(self, plan: MissPlan, claim) -> int | None:
-        """The spans only a look at the index and the session can name: evicted from the target,
-        diverged from the session's last turn, cached under another tenant key."""
+    def _lost_spans(self, plan: MissPlan, spans: list) -> int | None:
+        """The spans only a look at the index and the session can name (added to ``spans``):
+        evicted from the target, diverged from the session's last turn, cached under another
+        tenant key. Returns where the turn diverged (None: it did not)."""
         shape, bt = plan.shape, plan.shape.block_tokens
         digests = shape.digests
         start = plan.predicted // bt
         run = self.index.evicted_run(plan.target, digests, start)
         if run:
-            claim("evicted", start * bt, (start + run) * bt)
+            spans.append(("evicted", start * bt, (start + run) * bt))
         previous, at = plan.previous, None
         if previous is not None:
             at = divergence(previous, shape.ids, digests)
             held = len(previous.digests) * bt  # the last turn's full blocks, all cached by it
             if at < held:  # those from ``at`` on are no use to this turn
-                claim("diverged", at // bt * bt, held)
+                spans.append(("diverged", at // bt * bt, held))
             else:
                 at = None
         if shape.namespace is not None and shape.ids is not None:
             plain = chain_digests(shape.ids, bt)
             deepest = max(self.index.match(plain).values(), default=0)
-            claim("tenant_key", 0, deepest * bt)
+            spans.append(("tenant_key", 0, deepest * bt))
         return at
 
     def count(self, plan: MissPlan, reasons: dict[str, int], diverged_at: int | None) -> None:
@@ -266,3 +252,28 @@ def _render(tokenizer_path: str | None, ids, at: int) -> dict:
         if tokenizer is not None:
             return {"before": tokenizer.decode(before), "from": tokenizer.decode(after)}
     return {"before": " ".join(map(str, before)), "from": " ".join(map(str, after))}
+
+
+def _claim(spans: list, cached: int, hittable: int, out: dict[str, int]) -> None:
+    """Give each span's reason, in order, the tokens of its span that are missed (from
+    ``cached`` to ``hittable``) and not yet given to an earlier reason."""
+    claimed: list[tuple[int, int]] = []  # the spans given so far, disjoint, in order
+    for reason, start, end in spans:
+        low, end = max(start, cached), min(end, hittable)
+        if end <= low:
+            continue
+        pos, given = low, 0
+        for s, e in claimed:
+            if pos >= end:
+                break
+            if e <= pos:
+                continue
+            if s > pos:
+                given += min(s, end) - pos
+            pos = max(pos, e)
+        if end > pos:
+            given += end - pos
+        if given:
+            out[reason] = out.get(reason, 0) + given
+        claimed.append((low, end))
+        claimed.sort()
