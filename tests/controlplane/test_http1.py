@@ -145,6 +145,31 @@ async def test_nothing_within_the_read_timeout_is_a_read_timeout():
             await post(server.url, read_timeout_s=0.2)
 
 
+async def test_a_kept_connection_times_out_on_each_request_s_own_deadline_with_one_timer():
+    """The read timeout's timer outlives a request on a kept-alive connection: the next ones
+    neither set nor cancel one, and a shorter deadline than the armed one still fires on time."""
+
+    async def then_silent(reader, writer, n):
+        if n < 4:
+            await fixed(b"{}")(reader, writer, n)
+        else:
+            await asyncio.sleep(10)
+
+    async with Server(then_silent) as server:
+        timers = set()
+        for _ in range(3):  # answered well within a long timeout
+            response = await post(server.url, read_timeout_s=60.0)
+            assert await response.read() == b"{}"
+            timers.add(id(response._conn.timer))
+            response.release()
+        assert len(timers) == 1 and server.connections == 1  # one timer, armed once
+        began = asyncio.get_running_loop().time()
+        with pytest.raises(http1.ReadTimeout):
+            await post(server.url, read_timeout_s=0.2)  # the same connection, a shorter deadline
+        assert asyncio.get_running_loop().time() - began < 2.0
+        assert server.connections == 1
+
+
 async def test_a_connection_refused_is_a_connect_error():
     with pytest.raises(http1.ConnectError):
         await post(f"http://127.0.0.1:{free_port()}")
