@@ -126,15 +126,15 @@ class ServedVolume:
         lately); all 0 while none of them was sent anything."""
         own, peers = self.tokens, self.peers.values()
         if peers:
-            values = {
-                key: own.get(key, 0.0) + sum(peer.get(key, 0.0) for peer in peers) for key in keys
-            }
+            values = [own.get(key, 0.0) + sum(peer.get(key, 0.0) for peer in peers)
+                      for key in keys]  # fmt: skip
         else:  # one router process
-            values = {key: own.get(key, 0.0) for key in keys}
-        mean = sum(values.values()) / len(values) if values else 0.0
+            get = own.get
+            values = [get(key, 0.0) for key in keys]
+        mean = sum(values) / len(values) if values else 0.0
         if mean <= 0:
             return dict.fromkeys(keys, 0.0)
-        return {key: value / mean - 1 for key, value in values.items()}
+        return {key: value / mean - 1 for key, value in zip(keys, values, strict=True)}
 
     def forget(self, key: str) -> None:
         self.tokens.pop(key, None)
