@@ -131,7 +131,7 @@ class CancelOnDisconnect:
             self.direct.on_lost = None
         else:
             self.watcher.cancel()
-        if kind is asyncio.CancelledError and self.gone:
+        if self.gone and kind is not None and issubclass(kind, asyncio.CancelledError):
             self.task.uncancel()
             return True
         return False
