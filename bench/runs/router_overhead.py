@@ -16,10 +16,15 @@ and requests/s; goals: <= 1 ms added p50 over direct, >= 0.5x sglang-router's re
         [--workers N]           # also one runrouter --workers N (needs Redis)
         [--bare]                # also a bare proxy on the router's own server stack and HTTP client
                                 # (harness/bare_proxy.py: no JSON, no decision): the stack's floor
+        [--rounds N]            # the whole pass N times, interleaved (the order reversed every
+                                # other round); each figure the median of its N
 
 Each server under test also reports its CPU per request (user + system of its process tree
 over a wrk run, over the requests it served). Only one server under test runs at a time (the
-stand-in runs throughout). Needs ``wrk`` on PATH; ``--profile`` needs ``py-spy``.
+stand-in runs throughout), started afresh in each round. With ``--rounds`` a run's figures hold
+up better against the host's drift (at one connection the routers add a tenth of a
+millisecond, and a single pass moved sglang-router's figure by ±10 % between runs). Needs
+``wrk`` on PATH; ``--profile`` needs ``py-spy`` (and no ``--rounds``).
 """
 
 from __future__ import annotations
@@ -28,11 +33,13 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import NamedTuple
 
 import httpx
 
@@ -135,59 +142,70 @@ def report(name: str, connections: int, r: dict) -> dict:
     return r
 
 
-def measure(
-    name: str,
-    url: str | list[str],
-    args,
-    script: Path,
-    results: list,
-    profile_pid: int | None = None,
-    pid: int | None = None,
-) -> None:
-    """wrk against ``url`` at each connection count; ``pid``: the server's process, whose tree's
-    CPU per request is reported."""
-    urls = [url] if isinstance(url, str) else url
-    for one in urls:
+class Target(NamedTuple):
+    """One server under test: its label, its URL (or the URLs of several processes, each driven
+    by its own wrk), the process whose tree's CPU is counted, and the one py-spy records."""
+
+    name: str
+    url: str | list[str]
+    pid: int | None = None
+    profile_pid: int | None = None
+
+
+def warm(target: Target, script: Path) -> None:
+    """One request checked, then a short run: connections, the tokenizer and index paths."""
+    for one in [target.url] if isinstance(target.url, str) else target.url:
         check_once(one)
-        # warm-up: connections, the tokenizer/index paths, the JIT-less caches
         wrk(one, 1, 2, script)
+
+
+def measure_once(target: Target, connections: int, args, script: Path) -> dict | None:
+    """One wrk run against ``target`` at ``connections`` (None: a multi-process target with
+    fewer connections than processes); its CPU per request when it has a ``pid``."""
+    urls = [target.url] if isinstance(target.url, str) else target.url
+    if len(urls) > 1:
+        if connections < len(urls):
+            return None
+        return wrk_many(urls, connections, args.duration, script)
+    spy = None
+    if target.profile_pid and connections == max(args.connections):
+        raw = args.profile_format == "raw"  # collapsed stacks, for reading off self time
+        out = Path(args.profile) / f"{target.name.replace(' ', '_')}.{'txt' if raw else 'svg'}"
+        spy = subprocess.Popen(
+            ["py-spy", "record", "--pid", str(target.profile_pid), "--duration",
+             str(args.duration), "--rate", "200",
+             *(["--native"] if args.profile_native else ["--nonblocking"]),
+             "--format", "raw" if raw else "flamegraph", "--output", str(out)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+    cpu = cpu_seconds(target.pid) if target.pid else None
+    r = wrk(urls[0], connections, args.duration, script)
+    if cpu is not None:
+        r["cpu_us"] = 1e6 * (cpu_seconds(target.pid) - cpu) / max(1, r["requests"])
+    if spy:
+        spy.wait(60)
+    return r
+
+
+def measure(target: Target, args, script: Path, results: list) -> None:
+    """wrk against ``target`` at each connection count, one after the other."""
+    warm(target, script)
     for c in args.connections:
-        if len(urls) > 1:
-            if c < len(urls):
-                continue
-            r = wrk_many(urls, c, args.duration, script)
-            results.append(report(name, c, r))
-            continue
-        spy = None
-        if profile_pid and c == max(args.connections):
-            raw = args.profile_format == "raw"  # collapsed stacks, for reading off self time
-            out = Path(args.profile) / f"{name.replace(' ', '_')}.{'txt' if raw else 'svg'}"
-            spy = subprocess.Popen(
-                [
-                    "py-spy",
-                    "record",
-                    "--pid",
-                    str(profile_pid),
-                    "--duration",
-                    str(args.duration),
-                    "--rate",
-                    "200",
-                    *(["--native"] if args.profile_native else ["--nonblocking"]),
-                    "--format",
-                    "raw" if raw else "flamegraph",
-                    "--output",
-                    str(out),
-                ],
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
-        cpu = cpu_seconds(pid) if pid else None
-        r = wrk(url, c, args.duration, script)
-        if cpu is not None:
-            r["cpu_us"] = 1e6 * (cpu_seconds(pid) - cpu) / max(1, r["requests"])
-        if spy:
-            spy.wait(60)
-        results.append(report(name, c, r))
+        r = measure_once(target, c, args, script)
+        if r is not None:
+            results.append(report(target.name, c, r))
+
+
+FIGURES = ("p50_us", "p90_us", "p99_us", "mean_us", "rps", "cpu_us")
+
+
+def medians(runs: list[dict]) -> dict:
+    """One result from several rounds' runs of the same target and connection count: the median
+    of each figure (each on its own), the requests and errors summed."""
+    out = {key: statistics.median(r[key] for r in runs) for key in FIGURES if key in runs[0]}
+    out.update({key: sum(r[key] for r in runs) for key in ("requests", "errors", "non_2xx")})
+    out["rounds"] = len(runs)
+    return out
 
 
 def run(args) -> list[dict]:
@@ -195,38 +213,70 @@ def run(args) -> list[dict]:
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
     script = tmp / "post.lua"
     script.write_text(WRK_SCRIPT % {"body": json.dumps(json.dumps(body))})
-    results: list[dict] = []
     standin_port = free_port()
     standin_url = f"http://127.0.0.1:{standin_port}"
-    standin = [
-        sys.executable,
-        "-m",
-        "harness.standin",
-        "--port",
-        str(standin_port),
-        "--dp-size",
-        "4",
-        "--model",
-        MODEL,
-    ]
+    standin = [sys.executable, "-m", "harness.standin", "--port", str(standin_port),
+               "--dp-size", "4", "--model", MODEL]  # fmt: skip
+    groups = [ours_targets]
+    if args.processes > 1:
+        groups.append(processes_targets)
+    if args.workers > 1:
+        groups.append(workers_targets)
+    if args.bare:
+        groups.append(bare_targets)
+    groups.append(sglang_targets)
     with server(
         standin, standin_url + "/health", tmp / "standin.log", env={"PYTHONPATH": str(REPO)}
     ):
-        measure("direct (stand-in)", standin_url, args, script, results)
-        measure_ours(args, standin_url, tmp, script, results)
-        if args.processes > 1:
-            measure_processes(args, standin_url, tmp, script, results)
-        if args.workers > 1:
-            measure_workers(args, standin_url, tmp, script, results)
-        if args.bare:
-            measure_bare(args, standin_url, tmp, script, results)
-        measure_sglang(args, standin_url, tmp, script, results)
-    return results
+        direct = Target("direct (stand-in)", standin_url)
+        if args.rounds > 1:
+            return interleaved(args, [direct], groups, standin_url, tmp, script)
+        results: list[dict] = []
+        measure(direct, args, script, results)
+        for group in groups:  # one server under test at a time
+            with ExitStack() as stack:
+                for target in group(args, standin_url, tmp, stack):
+                    measure(target, args, script, results)
+        return results
 
 
-def measure_ours(args, standin_url: str, tmp: Path, script: Path, results: list) -> None:
+def interleaved(args, targets, groups, standin_url: str, tmp: Path, script: Path) -> list[dict]:
+    """``--rounds``: each round starts each server under test in turn (one at a time, as a single
+    pass does; the order reversed every other round) and runs it at each connection count, so
+    that the host's drift over the minutes falls on all of them alike; each figure reported is
+    its median over the rounds."""
+    runs: dict[tuple[str, int], list[dict]] = {}
+    names: list[str] = []
+
+    def measured(target: Target, round_: int) -> None:
+        warm(target, script)
+        if target.name not in names:
+            names.append(target.name)
+        for c in args.connections:
+            r = measure_once(target, c, args, script)
+            if r is not None:
+                runs.setdefault((target.name, c), []).append(r)
+                report(f"{target.name} [{round_ + 1}]", c, dict(r))
+
+    steps = [None, *groups]  # None: the stand-in direct (it runs throughout)
+    for round_ in range(args.rounds):
+        for step in steps if round_ % 2 == 0 else steps[::-1]:
+            if step is None:
+                for target in targets:
+                    measured(target, round_)
+                continue
+            with ExitStack() as stack:
+                for target in step(args, standin_url, tmp, stack):
+                    measured(target, round_)
+    print(f"medians over {args.rounds} rounds:", flush=True)
+    return [report(name, c, medians(runs[(name, c)]))
+            for c in args.connections for name in names if (name, c) in runs]  # fmt: skip
+
+
+def ours_targets(args, standin_url: str, tmp: Path, stack: ExitStack) -> list[Target]:
     """One router process per policy and ASGI server (``--servers``), then (``--tokenizer-path``)
     cache_aware tokenizing."""
+    targets = []
     for policy in args.policies:
         for name in args.servers:
             port = free_port()
@@ -235,9 +285,8 @@ def measure_ours(args, standin_url: str, tmp: Path, script: Path, results: list)
             url = f"http://127.0.0.1:{port}"
             log = tmp / f"router-{policy}-{name}.log"
             label = f"dpmesh router {policy}" + (f" ({name})" if len(args.servers) > 1 else "")
-            with server(cmd, url + "/health", log, env=env) as proc:
-                spied = proc.pid if args.profile else None
-                measure(label, url, args, script, results, profile_pid=spied, pid=proc.pid)
+            proc = stack.enter_context(server(cmd, url + "/health", log, env=env))
+            targets.append(Target(label, url, proc.pid, proc.pid if args.profile else None))
     if args.tokenizer_path:
         port = free_port()
         cmd = router_command(
@@ -245,24 +294,27 @@ def measure_ours(args, standin_url: str, tmp: Path, script: Path, results: list)
         )
         env = {"DATABASE_URL": f"sqlite:///{tmp / 'router-tokenizer.sqlite3'}"}
         url = f"http://127.0.0.1:{port}"
-        with server(cmd, url + "/health", tmp / "router-tokenizer.log", env=env):
-            measure("dpmesh router cache_aware+tok", url, args, script, results)
+        stack.enter_context(server(cmd, url + "/health", tmp / "router-tokenizer.log", env=env))
+        targets.append(Target("dpmesh router cache_aware+tok", url))
+    return targets
 
 
-def measure_sglang(args, standin_url: str, tmp: Path, script: Path, results: list) -> None:
+def sglang_targets(args, standin_url: str, tmp: Path, stack: ExitStack) -> list[Target]:
     """SGLang's router, one process per ``--sglang-policies`` policy (none when not installed)."""
     exe = shutil.which("sglang-router", path=str(Path(sys.executable).parent)) or shutil.which(
         "sglang-router"
     )
+    targets = []
     for policy in args.sglang_policies if exe else []:
         port = free_port()
         cmd = sglang_router_command(standin_url, port=port, policy=policy, exe=exe)
         url = f"http://127.0.0.1:{port}"
-        with server(cmd, url + "/health", tmp / f"sglang-{policy}.log") as proc:
-            measure(f"sglang-router {policy}", url, args, script, results, pid=proc.pid)
+        proc = stack.enter_context(server(cmd, url + "/health", tmp / f"sglang-{policy}.log"))
+        targets.append(Target(f"sglang-router {policy}", url, proc.pid))
+    return targets
 
 
-def measure_workers(args, standin_url: str, tmp: Path, script: Path, results: list) -> None:
+def workers_targets(args, standin_url: str, tmp: Path, stack: ExitStack) -> list[Target]:
     """One ``runrouter --workers N`` (cache_aware): N processes on one port, sharing through
     Redis."""
     import redis
@@ -278,21 +330,22 @@ def measure_workers(args, standin_url: str, tmp: Path, script: Path, results: li
     )
     url = f"http://127.0.0.1:{port}"
     label = f"dpmesh router cache_aware --workers {args.workers}"
-    with server(cmd, url + "/health", tmp / "router-workers.log", env=env) as proc:
-        measure(label, url, args, script, results, pid=proc.pid)  # the workers are its children
+    proc = stack.enter_context(server(cmd, url + "/health", tmp / "router-workers.log", env=env))
+    return [Target(label, url, proc.pid)]  # the workers are its children
 
 
-def measure_bare(args, standin_url: str, tmp: Path, script: Path, results: list) -> None:
+def bare_targets(args, standin_url: str, tmp: Path, stack: ExitStack) -> list[Target]:
     """harness/bare_proxy.py: the router's server stack and HTTP client, none of its work."""
     port = free_port()
     cmd = [sys.executable, "-m", "harness.bare_proxy", "--port", str(port),
            "--upstream", standin_url]  # fmt: skip
     url = f"http://127.0.0.1:{port}"
-    with server(cmd, url + "/health", tmp / "bare.log", env={"PYTHONPATH": str(REPO)}) as proc:
-        measure("bare proxy (router's stack)", url, args, script, results, pid=proc.pid)
+    env = {"PYTHONPATH": str(REPO)}
+    proc = stack.enter_context(server(cmd, url + "/health", tmp / "bare.log", env=env))
+    return [Target("bare proxy (router's stack)", url, proc.pid)]
 
 
-def measure_processes(args, standin_url: str, tmp: Path, script: Path, results: list) -> None:
+def processes_targets(args, standin_url: str, tmp: Path, stack: ExitStack) -> list[Target]:
     """``args.processes`` cache_aware routers on one database and one Redis (index and load
     shared)."""
     import redis
@@ -309,19 +362,14 @@ def measure_processes(args, standin_url: str, tmp: Path, script: Path, results: 
         check=True,
         capture_output=True,
     )
-    with ExitStack() as stack:
-        urls = []
-        for i in range(args.processes):
-            port = free_port()
-            cmd = router_command(standin_url, port=port, policy="cache_aware")
-            url = f"http://127.0.0.1:{port}"
-            stack.enter_context(
-                server(cmd, url + "/health", tmp / f"router-process-{i}.log", env=env)
-            )
-            urls.append(url)
-        measure(
-            f"dpmesh router cache_aware x{args.processes} processes", urls, args, script, results
-        )
+    urls = []
+    for i in range(args.processes):
+        port = free_port()
+        cmd = router_command(standin_url, port=port, policy="cache_aware")
+        url = f"http://127.0.0.1:{port}"
+        stack.enter_context(server(cmd, url + "/health", tmp / f"router-process-{i}.log", env=env))
+        urls.append(url)
+    return [Target(f"dpmesh router cache_aware x{args.processes} processes", urls)]
 
 
 def summary(results: list[dict]) -> str:
@@ -390,6 +438,10 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also a bare proxy on the router's own stack (harness/bare_proxy.py): its floor",
     )
+    parser.add_argument(
+        "--rounds", type=int, default=1,
+        help="the whole pass this many times, interleaved; each figure's median reported",
+    )  # fmt: skip
     parser.add_argument("--json", help="write the raw results here")
     parser.add_argument(
         "--profile", help="directory for py-spy flame graphs of our router (largest load)"
@@ -408,6 +460,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not shutil.which("wrk"):
         print("wrk is not installed (apt-get install wrk)", file=sys.stderr)
+        return 2
+    if args.profile and args.rounds > 1:
+        print("--profile records one pass: leave out --rounds", file=sys.stderr)
         return 2
     if args.profile:
         Path(args.profile).mkdir(parents=True, exist_ok=True)

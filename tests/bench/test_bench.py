@@ -177,6 +177,28 @@ def test_summary_numbers_from_hand_made_results():
     assert summarize([_result(0.1, 0.2, 2)], 1.0)["hit_rate"] is None  # no cached_tokens reported
 
 
+def test_router_overhead_rounds_reduce_to_medians_and_the_ratios_follow_them():
+    from bench.runs.router_overhead import medians, summary
+
+    def run(p50, rps, cpu=None):
+        r = {"p50_us": p50, "p90_us": p50 + 10, "p99_us": p50 + 50, "mean_us": p50 + 5,
+             "rps": rps, "requests": 100, "errors": 0, "non_2xx": 1}  # fmt: skip
+        return r if cpu is None else {**r, "cpu_us": cpu}
+
+    ours = medians([run(160, 6000, 140.0), run(150, 6100, 130.0), run(400, 2000, 300.0)])
+    assert (ours["p50_us"], ours["rps"], ours["cpu_us"]) == (160, 6000, 140.0)  # one bad round
+    assert (ours["requests"], ours["non_2xx"], ours["rounds"]) == (300, 3, 3)
+    direct = medians([run(40, 24000), run(38, 25000), run(39, 24500)])
+    assert "cpu_us" not in direct  # not measured: not made up
+    peer = medians([run(110, 9000, 70.0), run(108, 8800, 72.0), run(109, 8900, 71.0)])
+    results = [{**direct, "target": "direct (stand-in)", "connections": 1},
+               {**ours, "target": "dpmesh router cache_aware", "connections": 1},
+               {**peer, "target": "sglang-router cache_aware", "connections": 1}]  # fmt: skip
+    row = next(ln for ln in summary(results).splitlines() if ln.startswith("| dpmesh"))
+    # added p50 (160 - 39) / (109 - 39), req/s 6000 / 8900, CPU 140 / 71
+    assert "| +0.121 | 1.73x | 0.67x | 140.0 | 1.97x |" in row
+
+
 def test_engine_metrics_parse_and_delta():
     def text(r0, r1):
         return "".join(
