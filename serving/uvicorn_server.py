@@ -304,32 +304,35 @@ class Cut:
                     raise
                 return None
         direct = direct_body(scope)
-        if direct is not None:  # its connection tells how far the answer went: ``send`` as it is
-            try:
-                return await self.app(scope, receive, send)
-            except asyncio.CancelledError:
-                if not self.cutting:
-                    raise
-            cycle = direct.cycle
-            await _end_cut(send, cycle.response_started, cycle.response_complete)
-            return None
-        started = ended = False
-
-        async def tracked(message):
-            nonlocal started, ended
-            if message["type"] == "http.response.start":
-                started = True
-            elif message["type"] == "http.response.body" and not message.get("more_body"):
-                ended = True
-            await send(message)
-
+        # where the server answers on the connection directly, it tells how far the answer went;
+        # else ``send`` is watched for it
+        tracked = _Tracked(send) if direct is None else None
         try:
-            return await self.app(scope, receive, tracked)
+            return await self.app(scope, receive, send if tracked is None else tracked)
         except asyncio.CancelledError:
             if not self.cutting:
                 raise
-        await _end_cut(send, started, ended)
+        if tracked is None:
+            await _end_cut(send, direct.cycle.response_started, direct.cycle.response_complete)
+        else:
+            await _end_cut(send, tracked.started, tracked.ended)
         return None
+
+
+class _Tracked:
+    """An ASGI ``send`` that notes whether the answer started and ended."""
+
+    __slots__ = ("send", "started", "ended")
+
+    def __init__(self, send):
+        self.send, self.started, self.ended = send, False, False
+
+    async def __call__(self, message) -> None:
+        if message["type"] == "http.response.start":
+            self.started = True
+        elif message["type"] == "http.response.body" and not message.get("more_body"):
+            self.ended = True
+        await self.send(message)
 
 
 async def _end_cut(send, started: bool, ended: bool) -> None:

@@ -272,7 +272,7 @@ async def _attempt(
                 """The request is written: the router's commit and what the answer will say
                 of it, while the engine works (off the path from its answer to the client)."""
                 dispatch.settle()
-                head.extend(wire.route_headers(dispatch, None, overhead_s))
+                head.extend(wire.route_headers(dispatch, overhead_s))
 
             response = await http1.pool().post(
                 target.worker.url + path,

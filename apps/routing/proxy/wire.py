@@ -146,18 +146,15 @@ def misses_header(dispatch: Dispatch, usage: dict | None) -> list:
     return [(MISSES_HEADER, "; ".join(parts).encode())]
 
 
-def route_headers(dispatch: Dispatch, response=None, overhead_s: float | None = None) -> list:
-    """The target, the rank that served (ours; without one, the engine's own answer's:
-    ``served_rank``, once there is a ``response``), and the router's own time for this request
-    in ms (``overhead_s``)."""
-    headers = [(b"x-routed-target", dispatch.target.key.encode())]
-    if overhead_s is not None:
-        headers.append((OVERHEAD_HEADER, b"%.3f" % (overhead_s * 1000)))
+def route_headers(dispatch: Dispatch, overhead_s: float) -> list:
+    """The target, the rank the router placed it on (where the engine chose, ``served_rank``
+    reads it from the answer), and the router's own time for this request in ms
+    (``overhead_s``): all known once the request is written."""
+    headers = [(b"x-routed-target", dispatch.target.key.encode()),
+               (OVERHEAD_HEADER, b"%.3f" % (overhead_s * 1000))]  # fmt: skip
     rank = dispatch.target.rank
     if rank is not None:
         headers.append((b"x-data-parallel-rank", b"%d" % rank))
-    elif response is not None:
-        headers += served_rank(dispatch, response)
     return headers
 
 
