@@ -333,7 +333,7 @@ def _build_core(scratch: Path) -> Path:
         compiler = "cc"
     out = scratch / f"{CORE_NAME}.so"
     command = [compiler, *CORE_CFLAGS, "-I", sysconfig.get_paths()["include"],
-               *map(str, CORE_SOURCES), "-o", str(out)]  # fmt: skip
+               *map(str, CORE_SOURCES), "-o", str(out), "-lm"]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command)}: {done.stderr.strip()[-2000:]}")

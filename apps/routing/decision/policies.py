@@ -16,6 +16,18 @@ if TYPE_CHECKING:  # annotations only: the registry below is read by models and 
     from apps.routing.decision.request_shape import RequestShape
 
 
+def _native_core():
+    """The compiled core with cache_aware's calls set up (None: the pure code runs): the choice
+    reads each target's ``RankLoad`` itself, with its half-lives."""
+    from apps.routing.decision.index import core_module
+    from apps.routing.decision.load import RECENT_HALF_LIFE_S, SESSION_HALF_LIFE_S, RankLoad
+
+    core = core_module()
+    if core is not None:
+        core.cache_aware_setup(RankLoad, SESSION_HALF_LIFE_S, RECENT_HALF_LIFE_S)
+    return core
+
+
 class Policy(abc.ABC):
     name: str
 
@@ -136,9 +148,7 @@ class CacheAware(Policy):
         # the same numbers as ``_costs`` (``native=False``: that one, as without a compiler)
         self.kernel = None
         if native:
-            from apps.routing.decision.index import core_module
-
-            core = core_module()
+            core = _native_core()
             self.kernel = core.cache_aware if core is not None else None
 
     def weights(self) -> tuple[float, ...]:
@@ -148,16 +158,6 @@ class CacheAware(Policy):
                 self.new_session_slack, self.rework_floor, self.rework_cap, self.rework_max,
                 self.seat_weight, self.volume_weight, self.volume_cap, self.move_margin,
                 self.move_payback)  # fmt: skip
-
-    def _native(self, targets, shape: RequestShape, matched, shared_blocks, loads, want: int):
-        """The kernel's answer: the near ties' indices (``want`` 0) or the costs (1)."""
-        get, excess = matched.get, shape.volume_excess
-        more = excess.get if excess else {}.get
-        rows = [(get(t.key, 0), n, live, queue, t.worker.max_num_seqs or 0, more(t.key, 0.0))
-                for t, (n, live, queue) in zip(targets, loads, strict=True)]  # fmt: skip
-        return self.kernel(self.weights(), shape.prompt_tokens, shape.chat, shape.hittable_blocks,
-                           shape.block_tokens, shared_blocks, shape.prefix_share,
-                           shape.prefix_requests, bool(excess), rows, want)  # fmt: skip
 
     def matched_tokens(self, target: Target, shape: RequestShape, matched: dict[str, int]) -> int:
         return min(matched.get(target.key, 0), shape.hittable_blocks) * shape.block_tokens
@@ -169,18 +169,23 @@ class CacheAware(Policy):
         matched: dict[str, int],
         shared_blocks: int = 0,
     ) -> list[float]:
-        loads = self._loads(targets)
+        now = targets[0].load.clock()
         if self.kernel is not None:
-            return self._native(targets, shape, matched, shared_blocks, loads, 1)
-        return self._costs(targets, shape, matched, shared_blocks, loads)[0]
+            return self._kernel(targets, shape, matched, shared_blocks, now, 1)
+        return self._costs(targets, shape, matched, shared_blocks, self._loads(targets, now))[0]
+
+    def _kernel(self, targets, shape, matched, shared_blocks, now: float, want: int):
+        """The compiled costs (``want`` 1) or choice (0: the chosen target's index)."""
+        if type(targets) is not list or type(matched) is not dict:
+            targets, matched = list(targets), dict(matched)
+        return self.kernel(self.weights(), shape, targets, matched, shared_blocks, self.rng, now,
+                           want)  # fmt: skip
 
     @staticmethod
-    def _loads(targets: list[Target]) -> list[tuple[int, float, int]]:
+    def _loads(targets: list[Target], now: float) -> list[tuple[int, float, int]]:
         """Each target's requests in flight, active sessions and queued prefill tokens, read once
-        (one clock reading for all) for both the costs and the choice among near ties."""
-        if not targets:
-            return []
-        now = targets[0].load.clock()
+        (one clock reading for all, ``now``: the first target's clock) for both the costs and the
+        choice among near ties."""
         return [t.load.totals(now) for t in targets]
 
     def _costs(self, targets, shape, matched, shared_blocks, loads) -> tuple[list, list[int]]:
@@ -346,18 +351,18 @@ class CacheAware(Policy):
         return min(excess, 0.0) if hit >= shared else max(excess, 0.0)
 
     def choose(self, targets, shape, matched, shared_blocks=0):
-        loads = self._loads(targets)
-        if self.kernel is not None:
-            near = self._native(targets, shape, matched, shared_blocks, loads, 0)
-        else:
-            near = self._near(targets, shape, matched, shared_blocks, loads)
+        now = targets[0].load.clock()
+        if self.kernel is not None:  # all of it in one call (csrc/cache_aware.c)
+            return targets[self._kernel(targets, shape, matched, shared_blocks, now, 0)]
+        loads = self._loads(targets, now)
+        near = self._near(targets, shape, matched, shared_blocks, loads)
         if len(near) == 1:
             return targets[near[0]]
         # the least loaded (sessions and requests); on an idle fleet the rank used last; fewer
         # requests lately; chance (the index last: min's first of equals, as with a key)
         warm, rng = shape.warm, self.rng  # warm: the router's, on an idle fleet only
         ranked = [(loads[i][1] + loads[i][0], targets[i].key not in warm,
-                   targets[i].load.recent_requests(), rng.random(), i) for i in near]  # fmt: skip
+                   targets[i].load.recent_requests(now), rng.random(), i) for i in near]  # fmt: skip
         return targets[min(ranked)[4]]
 
     def _near(self, targets, shape, matched, shared_blocks, loads) -> list[int]:

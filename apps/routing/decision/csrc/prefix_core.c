@@ -1049,11 +1049,13 @@ static PyObject *chain_digests(PyObject *module, PyObject *args) {
 }
 
 PyObject *cache_aware(PyObject *module, PyObject *args); /* cache_aware.c */
+PyObject *cache_aware_setup(PyObject *module, PyObject *args);
 
 static PyMethodDef module_methods[] = {
     {"text_digests", text_digests, METH_VARARGS, NULL},
     {"chain_digests", chain_digests, METH_VARARGS, NULL},
     {"cache_aware", cache_aware, METH_VARARGS, NULL},
+    {"cache_aware_setup", cache_aware_setup, METH_VARARGS, NULL},
     {NULL, NULL, 0, NULL},
 };
 
