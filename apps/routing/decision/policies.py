@@ -362,7 +362,8 @@ class CacheAware(Policy):
         # requests lately; chance (the index last: min's first of equals, as with a key)
         warm, rng = shape.warm, self.rng  # warm: the router's, on an idle fleet only
         ranked = [(loads[i][1] + loads[i][0], targets[i].key not in warm,
-                   targets[i].load.recent_requests(now), rng.random(), i) for i in near]  # fmt: skip
+                   targets[i].load.recent_requests(now), rng.random(), i)
+                  for i in near]  # fmt: skip
         return targets[min(ranked)[4]]
 
     def _near(self, targets, shape, matched, shared_blocks, loads) -> list[int]:
