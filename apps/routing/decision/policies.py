@@ -108,8 +108,9 @@ class CacheAware(Policy):
 
     The choice runs as one call into compiled code where the router's native core builds
     (csrc/cache_aware.c, ``kernel``): it reads each target's load from its ``RankLoad`` itself,
-    works out the costs, the near ties and the tie-break (a choice over 4 targets in process:
-    9.8 us of Python, 4.2 with the arithmetic alone compiled, 2.3 in one call; over 16, 5.0).
+    works out the costs, the near ties and the tie-break (a choice in process, on the Intel host
+    of docs/benchmarks.md: over 4 targets 14.5 us of Python, 7.1 with the arithmetic alone
+    compiled, 2.2 in one call; over 16 targets 38.4 us of Python, 5.0 in one call).
     ``_costs``, the methods it calls and ``_near`` are its reference, run without a compiler or
     with ``native=False``, and tests/routing/test_cache_aware_kernel.py holds the two to the same
     bits and the same choices.
