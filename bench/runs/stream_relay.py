@@ -16,6 +16,13 @@ non-streamed cost, divided by the events, is what one event costs it::
 from run to run on a 2-core host, as much as a change measured) and ends with each figure's
 median over the rounds, and its ratio to sglang-router's.
 
+Before the passes each router idles ``--idle-s`` seconds (after a warm-up): its CPU meanwhile,
+in ms a second, is the background work it does whatever the traffic (ours: the scrape of the
+engines' metrics, the fleet's sync from the database, the health and feed loops). Its share of a
+non-streamed request is that rate times the pass's wall time over its requests (the pass runs at
+a few hundred requests a second, where ~10 ms a second of background is ~20 us a request); the
+line and the medians print it as ``background``.
+
 ``dpmesh:SERVER`` is ours under that ASGI server (``runrouter --server``; plain ``dpmesh``: the
 default); ``vllm-router`` is vllm-router's ``cache_aware`` (``pip install vllm-router==0.1.17`` in
 a venv of its own, its executable given with ``--vllm-router``).
@@ -90,8 +97,10 @@ def main(argv=None) -> int:
     parser.add_argument("--routers", nargs="+", default=["dpmesh", "sglang"])
     parser.add_argument("--vllm-router", default="vllm-router", help="the vllm-router executable")
     parser.add_argument("--rounds", type=int, default=1, help="each router in turn, this often")
+    parser.add_argument("--idle-s", type=float, default=5.0, help="each router's idle CPU is "
+                        "measured over this long before its passes (0: not measured)")  # fmt: skip
     args = parser.parse_args(argv)
-    figures: dict[str, list[tuple[float, float, float]]] = {}
+    figures: dict[str, list[tuple[float, float, float, float, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         port = free_port()
@@ -107,35 +116,50 @@ def main(argv=None) -> int:
                            timeout=120) as router:  # fmt: skip
                     warm = max(8, args.requests // 10)
                     asyncio.run(drive(router.url, warm, args.concurrency, args.tokens, True))
+                    idle = idle_rate(router.proc.pid, args.idle_s)
                     streamed, wall = measure(router.url, router.proc.pid, args, True,
                                              args.requests)  # fmt: skip
-                    plain, _ = measure(router.url, router.proc.pid, args, False,
-                                       args.plain_requests)  # fmt: skip
+                    plain, plain_wall = measure(router.url, router.proc.pid, args, False,
+                                                args.plain_requests)  # fmt: skip
                 events = args.tokens + 3  # the text events, the finish event, usage, [DONE]
                 per_event_us = 1000 * (streamed - plain) / events
+                background_us = 1000 * idle * plain_wall / args.plain_requests
                 print(f"{kind:<15} streamed {streamed:6.2f} ms CPU a request ({wall:.1f} s wall), "
-                      f"not streamed {plain:6.3f} ms; {per_event_us:5.1f} us an event "
+                      f"not streamed {plain:6.3f} ms (background {background_us:4.1f} us of it: "
+                      f"{idle:.1f} ms a second idle); {per_event_us:5.1f} us an event "
                       f"({args.tokens} tokens, {args.token_interval_s * 1000:g} ms apart)",
                       flush=True)  # fmt: skip
-                figures.setdefault(kind, []).append((streamed, plain, per_event_us))
+                figures.setdefault(kind, []).append(
+                    (streamed, plain, per_event_us, idle, background_us)
+                )
     if args.rounds > 1:
         summarize(figures)
     return 0
 
 
-def summarize(figures: dict[str, list[tuple[float, float, float]]]) -> None:
+def idle_rate(pid: int, seconds: float) -> float:
+    """CPU ms a second of process ``pid`` (and its children) over ``seconds`` with no traffic."""
+    if seconds <= 0:
+        return 0.0
+    cpu = cpu_seconds(pid)
+    time.sleep(seconds)
+    return 1000 * (cpu_seconds(pid) - cpu) / seconds
+
+
+def summarize(figures: dict[str, list[tuple[float, ...]]]) -> None:
     """Each router's median figures over the rounds, and their ratios to sglang-router's."""
-    medians = {kind: [statistics.median(f[i] for f in runs) for i in range(3)]
+    medians = {kind: [statistics.median(f[i] for f in runs) for i in range(5)]
                for kind, runs in figures.items()}  # fmt: skip
     peer = medians.get("sglang")
     print(f"medians over {len(next(iter(figures.values())))} rounds:")
-    for kind, (streamed, plain, event) in medians.items():
+    for kind, (streamed, plain, event, idle, background) in medians.items():
         ratios = ""
         if peer is not None and kind != "sglang":
             ratios = (f"  ({streamed / peer[0]:.2f}x / {plain / peer[1]:.2f}x / "
                       f"{event / peer[2]:.2f}x sglang-router's)")  # fmt: skip
         print(
-            f"{kind:<15} streamed {streamed:6.2f} ms, not streamed {plain:6.3f} ms, "
+            f"{kind:<15} streamed {streamed:6.2f} ms, not streamed {plain:6.3f} ms "
+            f"(background {background:4.1f} us, {idle:.1f} ms a second idle), "
             f"{event:5.1f} us an event{ratios}"
         )
 
