@@ -231,6 +231,15 @@ static int plain_load(PyObject *load) {
     return none;
 }
 
+/* ``load.name(now)``: a new reference, or NULL with an exception set */
+static PyObject *call_at(PyObject *load, PyObject *name, double now) {
+    PyObject *at = PyFloat_FromDouble(now);
+    if (!at) return NULL;
+    PyObject *out = PyObject_CallMethodOneArg(load, name, at);
+    Py_DECREF(at);
+    return out;
+}
+
 /* RankLoad.totals(now) of a target's load into its row */
 static int read_load(Row *r, double now) {
     PyObject *load = r->load;
@@ -256,10 +265,7 @@ static int read_load(Row *r, double now) {
         r->queue = (double)(pending + peer_prefill);
         return 0;
     }
-    PyObject *at = PyFloat_FromDouble(now);
-    if (!at) return -1;
-    PyObject *totals = PyObject_CallMethodOneArg(load, s_totals, at);
-    Py_DECREF(at);
+    PyObject *totals = call_at(load, s_totals, now);
     if (!totals) return -1;
     if (!PyTuple_Check(totals) || PyTuple_GET_SIZE(totals) != 3) {
         Py_DECREF(totals);
@@ -284,10 +290,7 @@ static int recent_of(PyObject *load, double now, double *out) {
         *out = n * exp2(-(now - at) / recent_half_life) + 0.0;
         return 0;
     }
-    PyObject *when = PyFloat_FromDouble(now);
-    if (!when) return -1;
-    PyObject *v = PyObject_CallMethodOneArg(load, s_recent_requests, when);
-    Py_DECREF(when);
+    PyObject *v = call_at(load, s_recent_requests, now);
     if (!v) return -1;
     *out = PyFloat_AsDouble(v);
     Py_DECREF(v);
