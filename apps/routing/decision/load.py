@@ -44,6 +44,12 @@ class LoadTicket:
 
 
 class RankLoad:
+    """One target's load. cache_aware's compiled choice (csrc/cache_aware.c) reads the counters
+    ``totals`` and ``recent_requests`` read (``requests``, ``peer_requests``,
+    ``pending_prefill_tokens``, ``peer_prefill_tokens``, ``_sessions``, ``_sessions_at``,
+    ``_recent_n``, ``_recent_at``, ``peers``) by name: a change to how those two work out their
+    figures is a change there too (tests/routing/test_cache_aware_kernel.py compares them)."""
+
     def __init__(self, clock=time.monotonic):
         self.requests = 0
         self.prompt_tokens = 0
