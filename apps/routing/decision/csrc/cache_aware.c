@@ -37,7 +37,8 @@ typedef struct {
     double live, queue, excess;
     int free, moves;
     double volume, cost;
-    PyObject *load; /* the target's load */
+    PyObject *key, *load; /* the target's key and load (new references) */
+    int plain;            /* the load read directly (``plain_load``) */
 } Row;
 
 /* Python's min(a, b) and max(a, b) on floats: the first unless the second is strictly less
@@ -243,9 +244,8 @@ static PyObject *call_at(PyObject *load, PyObject *name, double now) {
 /* RankLoad.totals(now) of a target's load into its row */
 static int read_load(Row *r, double now) {
     PyObject *load = r->load;
-    int plain = plain_load(load);
-    if (plain < 0) return -1;
-    if (plain) {
+    if ((r->plain = plain_load(load)) < 0) return -1;
+    if (r->plain) {
         long long requests, peer_requests, pending, peer_prefill;
         double sessions;
         if (attr_ll(load, s_requests, &requests) < 0 ||
@@ -279,11 +279,10 @@ static int read_load(Row *r, double now) {
     return PyErr_Occurred() ? -1 : 0;
 }
 
-/* RankLoad.recent_requests(now) */
-static int recent_of(PyObject *load, double now, double *out) {
-    int plain = plain_load(load);
-    if (plain < 0) return -1;
-    if (plain) {
+/* RankLoad.recent_requests(now) of a row's load */
+static int recent_of(const Row *r, double now, double *out) {
+    PyObject *load = r->load;
+    if (r->plain) {
         double n, at;
         if (attr_double(load, s_recent_n, &n) < 0 || attr_double(load, s_recent_at, &at) < 0)
             return -1;
@@ -300,13 +299,11 @@ static int recent_of(PyObject *load, double now, double *out) {
 /* the request's terms from its shape (``RequestShape``) */
 static int read_request(PyObject *shape, long long shared_blocks, Request *q, PyObject **excess) {
     PyObject *share = NULL, *chat = NULL;
-    double requests;
     if (attr_ll(shape, s_prompt_tokens, &q->prompt) < 0 ||
         attr_ll(shape, s_hittable, &q->hittable) < 0 ||
         attr_ll(shape, s_block_tokens, &q->block_tokens) < 0 ||
-        attr_double(shape, s_prefix_requests, &requests) < 0)
+        attr_double(shape, s_prefix_requests, &q->requests) < 0)
         return -1;
-    q->requests = requests;
     q->shared = shared_blocks * q->block_tokens;
     if (!(chat = PyObject_GetAttr(shape, s_chat))) return -1;
     q->chat = PyObject_IsTrue(chat);
@@ -326,11 +323,12 @@ static int read_request(PyObject *shape, long long shared_blocks, Request *q, Py
     return 0;
 }
 
-/* a target's row: its hit (``matched``, up to the request's hittable blocks, in tokens), seats,
- * volume excess and load (a new reference to it in ``load``) */
+/* a target's row: its key, hit (``matched``, up to the request's hittable blocks, in tokens),
+ * seats, volume excess and load (the key and the load as new references, released by the
+ * caller) */
 static int read_target(PyObject *target, PyObject *matched, PyObject *excess, const Request *q,
                        double now, Row *r) {
-    PyObject *key = PyObject_GetAttr(target, s_key), *worker = NULL, *seats = NULL;
+    PyObject *key = r->key = PyObject_GetAttr(target, s_key), *worker = NULL, *seats = NULL;
     if (!key) return -1;
     int rc = -1;
     PyObject *held = PyDict_GetItemWithError(matched, key);
@@ -353,7 +351,6 @@ static int read_target(PyObject *target, PyObject *matched, PyObject *excess, co
     if (!(r->load = PyObject_GetAttr(target, s_load))) goto out;
     rc = read_load(r, now);
 out:
-    Py_DECREF(key);
     Py_XDECREF(worker);
     Py_XDECREF(seats);
     return rc;
@@ -399,7 +396,7 @@ PyObject *cache_aware(PyObject *module, PyObject *args) {
         Py_DECREF(excess);
         return PyErr_NoMemory();
     }
-    for (Py_ssize_t i = 0; i < count; i++) r[i].load = NULL;
+    for (Py_ssize_t i = 0; i < count; i++) r[i].key = r[i].load = NULL;
     PyObject *out = NULL;
     Py_ssize_t chosen = -1;
     for (Py_ssize_t i = 0; i < count; i++)
@@ -430,14 +427,11 @@ PyObject *cache_aware(PyObject *module, PyObject *args) {
         chosen = -1;
         for (Py_ssize_t i = 0; i < count; i++) {
             if (!(r[i].cost <= bound)) continue;
-            PyObject *key = PyObject_GetAttr(PyList_GET_ITEM(targets, i), s_key);
-            if (!key) goto done;
-            int in = PySequence_Contains(warm, key);
-            Py_DECREF(key);
+            int in = PySequence_Contains(warm, r[i].key);
             if (in < 0) goto done;
             tie.load = r[i].live + (double)r[i].n;
             tie.cold = !in;
-            if (recent_of(r[i].load, now, &tie.recent) < 0) goto done;
+            if (recent_of(&r[i], now, &tie.recent) < 0) goto done;
             PyObject *draw = PyObject_CallMethodNoArgs(rng, s_random);
             if (!draw) goto done;
             tie.draw = PyFloat_AsDouble(draw);
@@ -451,7 +445,10 @@ PyObject *cache_aware(PyObject *module, PyObject *args) {
     }
     out = PyLong_FromSsize_t(chosen);
 done:
-    for (Py_ssize_t i = 0; i < count; i++) Py_XDECREF(r[i].load);
+    for (Py_ssize_t i = 0; i < count; i++) {
+        Py_XDECREF(r[i].key);
+        Py_XDECREF(r[i].load);
+    }
     if (r != stack) PyMem_Free(r);
     Py_XDECREF(excess);
     Py_XDECREF(warm);
