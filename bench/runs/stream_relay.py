@@ -24,8 +24,10 @@ a few hundred requests a second, where ~10 ms a second of background is ~20 us a
 line and the medians print it as ``background``.
 
 ``dpmesh:SERVER`` is ours under that ASGI server (``runrouter --server``; plain ``dpmesh``: the
-default); ``vllm-router`` is vllm-router's ``cache_aware`` (``pip install vllm-router==0.1.17`` in
-a venv of its own, its executable given with ``--vllm-router``).
+default); ``bare`` is harness/bare_proxy.py, our server stack and upstream client forwarding each
+body as it is with none of the router's work (the floor our router stands on); ``vllm-router``
+is vllm-router's ``cache_aware`` (``pip install vllm-router==0.1.17`` in a venv of its own, its
+executable given with ``--vllm-router``).
 
 The trace runs (bench.runs.routers_at_fleet_scale) stream ~200 tokens a request: this is where
 most of our router's CPU a request goes there (docs/benchmarks.md, "What a streamed token costs
@@ -76,6 +78,9 @@ def measure(url: str, pid: int, args, stream: bool, requests: int) -> tuple[floa
 
 def relay_router_cmd(kind: str, standin_url: str, port: int, vllm_router: str) -> list[str]:
     name, _, server = kind.partition(":")
+    if name == "bare":  # our server stack and HTTP client, none of the router's work
+        return [sys.executable, "-m", "harness.bare_proxy", "--port", str(port),
+                "--upstream", standin_url]  # fmt: skip
     if name == "vllm-router":
         return [vllm_router, "--worker-urls", standin_url, "--intra-node-data-parallel-size", "4",
                 "--policy", "cache_aware", "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip

@@ -246,18 +246,27 @@ def test_engine_metrics_parse_ours_and_vllms():
     assert vllm[1] == {"prompt_tokens": 100.0}
 
 
-def test_an_engine_that_does_not_answer_gets_a_down_sample_with_its_last_counters(router):
-    worker = make_worker(router, dp_size=1, url="http://127.0.0.1:9")  # port 9: nobody listens
-    rank = worker.ranks.get()
-    sample(rank, timezone.now() - timedelta(seconds=2), 7, 700, 300)
-    assert replica_jobs.scrape_fleet(timeout=1.0) == 1
-    latest = RankSample.objects.filter(rank=rank).order_by("-at").first()
-    assert (latest.up, latest.requests, latest.prompt_tokens, latest.cached_tokens) == (
-        False,
-        7,
-        700,
-        300,
-    )
+def test_an_engine_that_does_not_answer_gets_a_down_sample_with_its_last_counters(
+    router, django_assert_max_num_queries
+):
+    worker = make_worker(router, dp_size=3, url="http://127.0.0.1:9")  # port 9: nobody listens
+    ranks = list(worker.ranks.order_by("rank"))
+    now = timezone.now()
+    sample(ranks[0], now - timedelta(seconds=2), 7, 700, 300)
+    sample(ranks[0], now - timedelta(seconds=4), 6, 600, 200)  # older, written later
+    sample(ranks[1], now - timedelta(seconds=9), 1, 10, 5)
+    # rank 2 was never sampled: zeros
+    # the workers, their ranks, every silent rank's last row in one query, the insert (in its
+    # transaction): as many for three silent ranks as for one
+    with django_assert_max_num_queries(6):
+        assert replica_jobs.scrape_fleet(timeout=1.0) == 3
+    latest = [RankSample.objects.filter(rank=r).order_by("-at").first() for r in ranks]
+    got = [(s.up, s.requests, s.prompt_tokens, s.cached_tokens, s.kv_blocks_total) for s in latest]
+    assert got == [
+        (False, 7, 700, 300, 64),
+        (False, 1, 10, 5, 64),
+        (False, 0, 0, 0, 0),
+    ]
 
 
 @override_settings(CONTROL_PLANE={"SAMPLE_RETENTION_S": 60.0, "EVENT_RETENTION_S": 120.0})

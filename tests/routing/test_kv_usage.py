@@ -25,6 +25,7 @@ from apps.routing.decision.config import RouterConfig
 from apps.routing.decision.router import Router
 from apps.routing.feeds.fleet_sync import KV_USAGE_MAX_AGE_S, FleetSync, kv_usage_by_rank
 from apps.routing.live import LiveFleet
+from apps.routing.models import RoutingSettings
 from apps.routing.proxy.admission import make_admission
 from apps.routing.proxy.saturation import fleet_saturated
 from controlplane import http
@@ -157,7 +158,11 @@ async def test_fleet_sync_sets_each_targets_kv_usage_from_its_ranks_latest_fresh
         (4, 1, 120, 100, True),  # rank 4: more than its capacity says: full, not more
     ]:
         await sync_to_async(add_sample)(rank_ids[rank], age, used, total, up)
-    router = Router(RouterConfig(dp_aware=True))
+    # without the saturation rule nothing reads the KV usage: a sync does not query it
+    unread = Router(RouterConfig(dp_aware=True))
+    await FleetSync(unread).sync()
+    assert [t.kv_usage for t in unread.fleet.all_targets()] == [None] * 5
+    router = Router(RouterConfig(dp_aware=True, saturation_kv_usage=0.9))
     fleet_sync = FleetSync(router)
     await fleet_sync.sync()
     targets = {t.rank: t for t in router.fleet.all_targets()}
@@ -209,6 +214,25 @@ def test_the_latest_samples_come_in_one_query_and_age_out_past_the_bound(
     settings.CONTROL_PLANE = {**settings.CONTROL_PLANE, "SCRAPE_INTERVAL_S": 20.0}
     assert len(kv_usage_by_rank(rank_ids.values(), now=outside)) == 8
     assert kv_usage_by_rank(rank_ids.values(), now=at + timedelta(seconds=61)) == {}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_sync_reads_the_database_in_one_trip_and_the_kv_usage_only_for_the_saturation_rule(
+    django_assert_num_queries,
+):
+    make_worker(4)
+    RoutingSettings.load()  # (created once, as the router's start does)
+    plain = FleetSync(Router(RouterConfig(dp_aware=True)))
+    with django_assert_num_queries(2):  # the workers, their ranks
+        policy, rows, usage = plain._read(adopt_policy=False)
+    assert policy is None and len(rows) == 1 and usage is None
+    with django_assert_num_queries(3):  # and the recorded policy
+        policy, _, _ = plain._read(adopt_policy=True)
+    assert policy == RoutingSettings.load().policy
+    saturation = FleetSync(Router(RouterConfig(dp_aware=True, saturation_kv_usage=0.9)))
+    with django_assert_num_queries(3):  # and every rank's latest sample, in one query
+        _, _, usage = saturation._read(adopt_policy=False)
+    assert usage == {}  # nothing scraped yet
 
 
 # ----- end to end: the saturation rule ------------------------------------------------------------

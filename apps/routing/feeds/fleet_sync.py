@@ -9,7 +9,8 @@ the policy (switched on the dashboard, maybe served by another router process), 
 So a target's KV usage is as old as one scrape interval plus one sync interval (about 4 s by
 default), never older than ``kv_usage_max_age_s()``: past that, or when the engine did not
 answer its last scrape, or says no KV capacity, it is unknown (None), and the saturation rule
-ignores the target.
+ignores the target. It is read only where the saturation rule is on (``--saturation-kv-usage``);
+the rest of a sync is one trip to the database's thread (the policy and the workers' rows).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from apps.replicas.discovery import stable_info
 from apps.replicas.models import RankSample
 from apps.replicas.services import worker_list
 from apps.routing.live import LiveFleet
-from apps.routing.services import policy_adopt
+from apps.routing.models import RoutingSettings
 
 logger = logging.getLogger(__name__)
 
@@ -91,11 +92,16 @@ class FleetSync:
         self.live = LiveFleet(router)  # reads the rows into the router's views
         self.installed: dict[int, tuple] = {}  # worker id -> fingerprint of what was installed
 
-    async def sync(self) -> int:
-        """Apply the rows, then the KV usage; returns how many workers the database holds."""
+    async def sync(self, adopt_policy: bool = False) -> int:
+        """Apply the rows, then the KV usage; returns how many workers the database holds.
+        ``adopt_policy``: also switch to the policy the database records (as ``policy_adopt``
+        does, read in the same trip to the database's thread)."""
         router = self.router
+        policy, rows, usage = await sync_to_async(self._read)(adopt_policy)
+        if policy is not None and policy != router.config.policy:
+            router.set_policy(policy)
         seen = set()
-        for worker, rank_ids in await sync_to_async(worker_list)():
+        for worker, rank_ids in rows:
             seen.add(worker.id)
             fingerprint = _fingerprint(worker, rank_ids)
             if self.installed.get(worker.id) == fingerprint:
@@ -111,23 +117,27 @@ class FleetSync:
             router.remove_worker(worker_id)
             self.installed.pop(worker_id, None)
             logger.info("worker %s removed elsewhere: forgotten here too", worker_id)
-        await self.sync_kv_usage()
+        if usage is not None:
+            for target in router.fleet.all_targets():  # the fleet as it is now, installed
+                target.kv_usage = usage.get(target.rank_id)
         return len(seen)
 
-    async def sync_kv_usage(self) -> None:
-        """Every installed target's ``kv_usage`` from its rank's latest fresh sample (None: no
-        such sample, so unknown). One query for the whole fleet."""
-        fleet = self.router.fleet
-        rank_ids = {t.rank_id for t in fleet.all_targets() if t.rank_id is not None}
-        usage = await sync_to_async(kv_usage_by_rank)(rank_ids)
-        for target in fleet.all_targets():  # the fleet as it is now, after the wait
-            target.kv_usage = usage.get(target.rank_id)
+    def _read(self, adopt_policy: bool):
+        """(the recorded policy or None, the workers with their rank ids, each rank's KV usage
+        or None), in one trip to the database's thread: a trip costs the router's loop more
+        than a query does. The KV usage is read only where something reads it (the saturation
+        rule, ``RouterConfig.saturation_kv_usage``): an idle router's every sync is its CPU."""
+        policy = RoutingSettings.load().policy if adopt_policy else None
+        rows = worker_list()
+        usage = None
+        if self.router.config.saturation_kv_usage > 0:
+            usage = kv_usage_by_rank({r for _, ids in rows for r in ids.values()})
+        return policy, rows, usage
 
     async def run(self) -> None:
         while True:
             try:
-                await policy_adopt(router=self.router, flag=None)
-                await self.sync()
+                await self.sync(adopt_policy=True)
             except asyncio.CancelledError:
                 raise
             except Exception:
