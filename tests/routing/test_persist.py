@@ -67,3 +67,26 @@ async def test_two_processes_add_up_and_a_restart_resumes(worker):
     await persist_stats(restarted)
     await persist_stats(a)
     assert await sync_to_async(row)() == (5, 261, 108, 1)
+
+
+async def test_an_idle_process_writes_nothing_and_a_change_is_written(worker):
+    from asgiref.sync import sync_to_async
+
+    key = f"{URL}@0"
+    router = await sync_to_async(make_router)()
+    await restore_stats(router)
+    await persist_stats(router)  # its circuit, written once
+
+    def mark(state):  # another process writes the row meanwhile
+        Rank.objects.filter(worker__url=URL, rank=0).update(circuit_state=state)
+
+    def circuit():
+        return Rank.objects.get(worker__url=URL, rank=0).circuit_state
+
+    await sync_to_async(mark)("elsewhere")
+    await persist_stats(router)  # nothing counted, the circuit as written: no write
+    assert await sync_to_async(circuit)() == "elsewhere"
+    router.stats.dispatched(key, 10, 0)
+    await persist_stats(router)
+    assert await sync_to_async(circuit)() == "closed"
+    assert await sync_to_async(row)() == (1, 10, 0, 0)

@@ -79,6 +79,7 @@ class RouterStats:
     def __init__(self):
         self.targets: dict[str, TargetStats] = {}
         self.persisted: dict[str, dict[str, int]] = {}  # target key -> counters in the database
+        self.persisted_circuits: dict[str, str] = {}  # target key -> circuit state written last
         self.retries = 0
         self.no_target = 0
         self.time_checked = 0  # policy choices the time check replaced (Router._quicker)

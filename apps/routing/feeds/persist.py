@@ -48,16 +48,23 @@ def _write(rows: dict[int, tuple[dict, str]]) -> None:
 
 
 async def persist_stats(router) -> None:
-    rows, snapshots = {}, {}
+    """Write what changed since the last write: a rank whose counters and circuit are as this
+    process last wrote them is left alone (an idle router writes nothing)."""
+    stats = router.stats
+    rows, snapshots, circuits = {}, {}, {}
     for target in router.fleet.all_targets():
         if target.rank_id is None:
             continue
-        rows[target.rank_id] = (router.stats.unwritten(target.key), target.breaker.state)
-        snapshots[target.key] = router.stats.counters(target.key)
+        delta, circuit = stats.unwritten(target.key), target.breaker.state
+        if not any(delta.values()) and stats.persisted_circuits.get(target.key) == circuit:
+            continue
+        rows[target.rank_id] = (delta, circuit)
+        snapshots[target.key], circuits[target.key] = stats.counters(target.key), circuit
     if rows:
         await sync_to_async(_write)(rows)
         # only once written: a failed write is retried next round
-        router.stats.persisted.update(snapshots)
+        stats.persisted.update(snapshots)
+        stats.persisted_circuits.update(circuits)
 
 
 async def stats_loop(router, restore: bool = True) -> None:
