@@ -4,8 +4,10 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-# The project targets Python 3.11; fall back to whatever python3 is on PATH.
-BOOTSTRAP_PYTHON := $(shell command -v python3.11 2>/dev/null || command -v python3)
+# The project targets Python 3.11: the distribution's own build where it has one (optimised;
+# scripts/bootstrap-python.sh says why), else python3.11 on PATH, else python3.
+# `make venv PYTHON=/path/to/python3.11` chooses another.
+BOOTSTRAP_PYTHON := $(shell PYTHON="$(PYTHON)" sh scripts/bootstrap-python.sh)
 
 PYTEST_ARGS ?=
 SERVE_ARGS ?=
