@@ -6,11 +6,11 @@
 # Why the distribution's first: Debian, Ubuntu and Fedora build CPython with profile-guided and
 # link-time optimisation; pyenv, by default, builds it with neither (and as a shared library).
 # The router is Python on its hot path: measured on this project's 2-core machine, the same
-# router code costs 20-25 % less CPU a request on Debian's 3.11 than on pyenv's default 3.11
-# (docs/benchmarks.md, "The interpreter").
+# router code costs 16-22 % less CPU a non-streamed request on Debian's 3.11 than on pyenv's
+# default 3.11 (docs/benchmarks.md, "The interpreter").
 for candidate in "${PYTHON:-}" /usr/bin/python3.11 "$(command -v python3.11 2>/dev/null)"; do
-  [ -n "$candidate" ] && [ -x "$candidate" ] || continue
-  if "$candidate" -c '
+  [ -n "$candidate" ] || continue
+  if [ -x "$candidate" ] && "$candidate" -c '
 import os, sys, sysconfig
 import ensurepip, venv  # noqa: F401 (Debian splits them off into python3.11-venv)
 headers = os.path.join(sysconfig.get_paths()["include"], "Python.h")
@@ -18,6 +18,9 @@ sys.exit(sys.version_info[:2] != (3, 11) or not os.path.exists(headers))
 ' 2>/dev/null; then
     echo "$candidate"
     exit 0
+  fi
+  if [ "$candidate" = "${PYTHON:-}" ]; then
+    echo "PYTHON=$PYTHON is not a Python 3.11 that can make a venv with its headers: not used" >&2
   fi
 done
 command -v python3.11 2>/dev/null || command -v python3
