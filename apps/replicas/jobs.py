@@ -16,7 +16,6 @@ import logging
 from datetime import timedelta
 
 from django.conf import settings
-from django.db.models import OuterRef, Subquery
 from django.dispatch import Signal
 from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
@@ -29,7 +28,7 @@ from apps.replicas.discovery import (
     stable_info,
     wanted_lines,
 )
-from apps.replicas.models import Rank, RankSample, Worker, WorkerEvent
+from apps.replicas.models import RankSample, Worker, WorkerEvent
 from apps.replicas.pin_check import check_pins
 from apps.replicas.services import save_worker
 from controlplane import http
@@ -167,14 +166,8 @@ def _last_values(rank_ids: list[int]) -> dict[int, dict[str, int]]:
     many ranks did not answer (a DP-16 engine that is down, scraped every 2 s)."""
     if not rank_ids:
         return {}
-    # each rank's latest row through the (rank, at) index, not a pass over all its samples
-    latest = RankSample.objects.filter(rank_id=OuterRef("id")).order_by("-at", "-id")
-    last_ids = Rank.objects.filter(id__in=rank_ids).values(last=Subquery(latest.values("id")[:1]))
-    rows = RankSample.objects.filter(id__in=last_ids)
-    return {
-        rank_id: dict(zip(SAMPLE_FIELDS, values, strict=True))
-        for rank_id, *values in rows.order_by().values_list("rank_id", *SAMPLE_FIELDS)
-    }
+    rows = RankSample.latest_of(rank_ids).order_by().values_list("rank_id", *SAMPLE_FIELDS)
+    return {rank_id: dict(zip(SAMPLE_FIELDS, values, strict=True)) for rank_id, *values in rows}
 
 
 async def _scrape_all(workers: list[Worker], timeout: float) -> list[dict | None]:

@@ -1,6 +1,7 @@
 """Who serves: a Worker is one engine endpoint; a Rank is one DP rank of it."""
 
 from django.db import models
+from django.db.models import OuterRef, Subquery
 
 from apps.replicas.targets import target_key
 
@@ -117,3 +118,11 @@ class RankSample(models.Model):
     @property
     def hit_rate(self) -> float | None:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else None
+
+    @classmethod
+    def latest_of(cls, rank_ids) -> models.QuerySet:
+        """Each of these ranks' newest sample (nothing for a rank without one), in one query that
+        reads each rank's newest row through the (rank, at) index, however many samples it has."""
+        newest = cls.objects.filter(rank_id=OuterRef("id")).order_by("-at", "-id").values("id")[:1]
+        ranks = Rank.objects.filter(id__in=list(rank_ids))
+        return cls.objects.filter(id__in=ranks.values(last=Subquery(newest)))

@@ -31,13 +31,8 @@ def _rate(num, den):
 
 
 def _latest_samples(rank_ids: list[int]) -> dict[int, RankSample]:
-    """The newest sample of each rank (one query per rank keeps it index-only and small)."""
-    out = {}
-    for rank_id in rank_ids:
-        sample = RankSample.objects.filter(rank_id=rank_id).order_by("-at", "-id").first()
-        if sample is not None:
-            out[rank_id] = sample
-    return out
+    """The newest sample of each rank that has one."""
+    return {sample.rank_id: sample for sample in RankSample.latest_of(rank_ids)}
 
 
 def series(rank_keys: dict[int, str], window_s: float, max_points: int = 300) -> dict:

@@ -23,7 +23,6 @@ from datetime import timedelta
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
-from django.db.models import OuterRef, Subquery
 from django.utils import timezone
 
 from apps.replicas.discovery import stable_info
@@ -59,10 +58,9 @@ def kv_usage_by_rank(rank_ids: Iterable[int], now=None) -> dict[int, float]:
     if not rank_ids:
         return {}
     cutoff = (now or timezone.now()) - timedelta(seconds=kv_usage_max_age_s())
-    fresh = RankSample.objects.filter(at__gte=cutoff)
-    latest = fresh.filter(rank_id=OuterRef("rank_id")).order_by("-at", "-id").values("id")[:1]
     rows = (
-        fresh.filter(rank_id__in=rank_ids, id=Subquery(latest), up=True, kv_blocks_total__gt=0)
+        RankSample.latest_of(rank_ids)
+        .filter(at__gte=cutoff, up=True, kv_blocks_total__gt=0)  # the newest, if fresh: else none
         .order_by()
         .values_list("rank_id", "kv_blocks_used", "kv_blocks_total")
     )
